@@ -1,0 +1,123 @@
+// zerokern fused Adam/AdamW: the torch-free kernel interface.
+//
+// Everything in this header is plain C++ (and CUDA where __CUDACC__ is set), so
+// the kernels compile without torch headers: nvcc builds them in seconds and
+// the same code serves a C++ test or another framework. The torch binding
+// (csrc/torch/) validates the inputs and fills these structs; the kernels
+// assume valid input.
+//
+// Update, per element, in fp32 (torch.optim.AdamW / Adam semantics):
+//   g  = grad / grad_scale
+//   g += weight_decay * p                       (adam_w_mode == false: L2)
+//   p *= 1 - lr * weight_decay                  (adam_w_mode == true: decoupled)
+//   m  = beta1 * m + (1 - beta1) * g
+//   v  = beta2 * v + (1 - beta2) * g * g
+//   p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
+//   model_param = round_to_nearest_even(p)      (when a model tensor is given)
+// with bc1 = 1 - beta1^step and bc2 = 1 - beta2^step (1 without bias correction).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define ZK_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define ZK_HOST_DEVICE inline
+#endif
+
+namespace zerokern {
+
+// Element types a grad or a model (low-precision) param may have.
+enum class DType : uint8_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kNone = 3 };
+
+// Hyper-parameters of one call, as the caller gave them. lr, step and
+// grad_scale may instead come from one-element device tensors (the *_ptr
+// fields, nullable) so a CUDA graph can capture a step with no host sync; the
+// CPU path resolves those on the host before launching.
+struct AdamHyper {
+  float lr = 1e-3f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.f;
+  float step = 1.f;        // 1-based number of the update being made
+  float grad_scale = 1.f;  // grads are divided by it
+  bool adam_w_mode = true;
+  bool bias_correction = true;
+  const float* lr_ptr = nullptr;
+  const float* step_ptr = nullptr;
+  const float* grad_scale_ptr = nullptr;
+  const float* found_inf_ptr = nullptr;  // non-zero: the call changes nothing
+};
+
+// The per-call constants of the element update, resolved from AdamHyper.
+struct AdamCoeffs {
+  float beta1, beta2, one_minus_beta1, one_minus_beta2, eps;
+  float weight_decay;  // L2 term (adam_w_mode == false), else 0
+  float decay;         // decoupled factor 1 - lr * wd (adam_w_mode == true), else 1
+  float step_size;     // lr / bc1
+  float bc2_sqrt;      // sqrt(bc2)
+  float grad_scale;
+};
+
+ZK_HOST_DEVICE AdamCoeffs resolve_coeffs(const AdamHyper& h, float lr, float step, float grad_scale) {
+  AdamCoeffs c;
+  c.beta1 = h.beta1;
+  c.beta2 = h.beta2;
+  c.one_minus_beta1 = 1.f - h.beta1;
+  c.one_minus_beta2 = 1.f - h.beta2;
+  c.eps = h.eps;
+  c.weight_decay = h.adam_w_mode ? 0.f : h.weight_decay;
+  c.decay = h.adam_w_mode ? 1.f - lr * h.weight_decay : 1.f;
+  // Bias corrections in double on the host and float on the device would
+  // differ by an ulp; float powf everywhere keeps backends bit-compatible.
+  const float bc1 = h.bias_correction ? 1.f - powf(h.beta1, step) : 1.f;
+  const float bc2 = h.bias_correction ? 1.f - powf(h.beta2, step) : 1.f;
+  c.step_size = lr / bc1;
+  c.bc2_sqrt = sqrtf(bc2);
+  c.grad_scale = grad_scale;
+  return c;
+}
+
+// One element's update. p, m, v are read and written in fp32.
+ZK_HOST_DEVICE void adam_element(float& p, float& m, float& v, float g, const AdamCoeffs& c) {
+  g = g / c.grad_scale;
+  g = g + c.weight_decay * p;
+  p = p * c.decay;
+  m = c.beta1 * m + c.one_minus_beta1 * g;
+  v = c.beta2 * v + c.one_minus_beta2 * g * g;
+  const float denom = sqrtf(v) / c.bc2_sqrt + c.eps;
+  p = p - c.step_size * (m / denom);
+}
+
+// A list of tensors updated by one call. Pointers are to the first element of
+// contiguous storage; tensor i has numel[i] elements. grads[i] has
+// grad_dtypes[i]; model_params may be null (no write-back) or hold a pointer per
+// tensor with model_dtypes[i] (kFloat16 or kBFloat16).
+struct AdamTensorList {
+  int64_t count = 0;
+  float* const* params = nullptr;
+  const void* const* grads = nullptr;
+  float* const* exp_avgs = nullptr;
+  float* const* exp_avg_sqs = nullptr;
+  void* const* model_params = nullptr;
+  const int64_t* numel = nullptr;
+  const DType* grad_dtypes = nullptr;
+  const DType* model_dtypes = nullptr;
+};
+
+// CPU: SIMD (chosen at run time from the CPU's features) and OpenMP over
+// num_threads threads. Requires the *_ptr fields of hyper to be null.
+void fused_adam_cpu(const AdamTensorList& tensors, const AdamHyper& hyper, int num_threads);
+
+// Which SIMD variant fused_adam_cpu runs on this machine: "avx512", "avx2" or "baseline".
+const char* cpu_capability();
+
+#if defined(ZEROKERN_WITH_CUDA)
+// CUDA: a few launches for the whole list on `stream` (a cudaStream_t).
+// Returns the first launch error, or 0 (cudaSuccess).
+int fused_adam_cuda(const AdamTensorList& tensors, const AdamHyper& hyper, void* stream);
+#endif
+
+}  // namespace zerokern

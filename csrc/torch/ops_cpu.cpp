@@ -1,0 +1,57 @@
+// The zerokern operator library: schema definitions and the CPU kernels'
+// registration. Built into zerokern._C, which every install has.
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <Python.h>
+#include <torch/library.h>
+
+#include "adam_args.h"
+#include "zerokern/adam.h"
+
+namespace zerokern {
+namespace {
+
+void fused_adam_cpu_op(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                       at::TensorList exp_avg_sqs, at::TensorList model_params, double lr, double beta1,
+                       double beta2, double eps, double weight_decay, double step, bool adam_w_mode,
+                       bool bias_correction, double grad_scale, const std::optional<at::Tensor>& lr_tensor,
+                       const std::optional<at::Tensor>& step_tensor,
+                       const std::optional<at::Tensor>& grad_scale_tensor,
+                       const std::optional<at::Tensor>& found_inf) {
+  AdamArrays arrays;
+  AdamHyper h;
+  check_adam_args(params, grads, exp_avgs, exp_avg_sqs, model_params, lr, beta1, beta2, eps, weight_decay,
+                  step, adam_w_mode, bias_correction, grad_scale, lr_tensor, step_tensor, grad_scale_tensor,
+                  found_inf, arrays, h);
+  // On the CPU the one-element tensors are plain memory: read them here.
+  if (h.found_inf_ptr && *h.found_inf_ptr != 0.f) return;
+  if (h.lr_ptr) h.lr = *h.lr_ptr;
+  if (h.step_ptr) h.step = *h.step_ptr;
+  if (h.grad_scale_ptr) h.grad_scale = *h.grad_scale_ptr;
+  TORCH_CHECK_VALUE(h.step >= 1.f, "step must be >= 1 (the 1-based number of the update being made), got ", h.step);
+  TORCH_CHECK_VALUE(std::isfinite(h.grad_scale) && h.grad_scale != 0.f,
+                    "grad_scale must be finite and non-zero, got ", h.grad_scale);
+  h.lr_ptr = h.step_ptr = h.grad_scale_ptr = h.found_inf_ptr = nullptr;
+  // torch.set_num_threads() governs our OpenMP team too.
+  fused_adam_cpu(arrays.view(), h, at::get_num_threads());
+}
+
+std::string cpu_capability_op() { return cpu_capability(); }
+
+}  // namespace
+
+TORCH_LIBRARY(zerokern, m) {
+  m.def(kFusedAdamSchema);
+  m.def("cpu_capability() -> str", &cpu_capability_op);
+}
+
+TORCH_LIBRARY_IMPL(zerokern, CPU, m) { m.impl("fused_adam_", &fused_adam_cpu_op); }
+
+}  // namespace zerokern
+
+// A Python module so `import zerokern._C` loads the library (and registers the ops).
+extern "C" PyObject* PyInit__C(void) {
+  static PyModuleDef def = {PyModuleDef_HEAD_INIT, "_C", "zerokern CPU operators (torch.ops.zerokern)", -1,
+                            nullptr};
+  return PyModule_Create(&def);
+}

@@ -1,0 +1,152 @@
+"""Builds zerokern's extensions against the torch already installed.
+
+    pip install --no-build-isolation -e .
+
+--no-build-isolation: the extensions must be compiled against the torch that
+will import them (its headers and C++ ABI); an isolated build would download
+and build against another torch.
+
+What is built:
+  zerokern._C       C++ CPU operators, always.
+  zerokern._C_cuda  CUDA operators, when torch is a CUDA build and nvcc is found.
+                    ZEROKERN_CUDA=1 forces it (and fails loudly if it cannot be
+                    built), ZEROKERN_CUDA=0 skips it. Architectures:
+                    TORCH_CUDA_ARCH_LIST, default "8.0;9.0+PTX" (A100, H100/H200).
+No GPU is needed to build either; nothing is downloaded and nvidia-smi is not run.
+"""
+
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+from setuptools import setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_ARCHS = "8.0;9.0+PTX"
+
+
+def find_cuda_home():
+    """The CUDA toolkit's root, or None.
+
+    torch guesses CUDA_HOME as the parent of nvcc's folder, which is wrong when
+    `nvcc` on PATH is a wrapper script (here: /usr/local/bin/nvcc). nvcc itself
+    knows its root: `nvcc --dryrun` prints it as TOP=...
+    """
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        home = os.environ.get(var)
+        if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
+            return home
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        try:
+            out = subprocess.run([nvcc, "--dryrun", "-E", "-x", "cu", os.devnull], capture_output=True, text=True, timeout=60)
+            match = re.search(r"^#\$ TOP=(.+)$", out.stdout + out.stderr, re.MULTILINE)
+        except (OSError, subprocess.SubprocessError):
+            match = None
+        if match:
+            return os.path.realpath(match.group(1).strip())
+        return os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+    if os.path.exists("/usr/local/cuda/bin/nvcc"):
+        return "/usr/local/cuda"
+    return None
+
+
+def wheel_cuda_includes():
+    """Headers torch includes that a minimal toolkit may lack (cublas_v2.h,
+    cusparse.h, ...), as shipped by the nvidia-* wheels torch depends on."""
+    site = sysconfig.get_paths()["purelib"]
+    dirs = sorted(glob.glob(os.path.join(site, "nvidia", "*", "include")))
+    return [d for d in dirs if glob.glob(os.path.join(d, "cu*.h"))]
+
+
+def cuda_decision(torch_cuda_version, cuda_home):
+    """(build?, reason) for the CUDA extension; honours ZEROKERN_CUDA."""
+    want = os.environ.get("ZEROKERN_CUDA", "auto").strip().lower()
+    if want in ("0", "off", "false", "no"):
+        return False, "ZEROKERN_CUDA=0"
+    problems = []
+    if not torch_cuda_version:
+        problems.append("torch is a CPU-only build")
+    if not cuda_home:
+        problems.append("nvcc was not found (set CUDA_HOME or put nvcc on PATH)")
+    if problems and want in ("1", "on", "true", "yes"):
+        sys.exit("zerokern: ZEROKERN_CUDA=1 but the CUDA extension cannot be built: " + "; ".join(problems))
+    if problems:
+        return False, "; ".join(problems)
+    return True, f"nvcc in {cuda_home}, torch CUDA {torch_cuda_version}"
+
+
+def write_build_info(built_cuda, reason, archs):
+    # Read by zerokern.backends to explain an unavailable backend.
+    path = os.path.join(ROOT, "zerokern", "_build_info.py")
+    with open(path, "w") as f:
+        f.write("# Written by setup.py at build time.\n")
+        f.write(f"CUDA_BUILT = {built_cuda!r}\n")
+        f.write(f"CUDA_REASON = {reason!r}\n")
+        f.write(f"CUDA_ARCHS = {archs!r}\n")
+
+
+def extensions():
+    cuda_home = find_cuda_home()
+    if cuda_home:
+        # Must be set before torch.utils.cpp_extension is imported: it reads CUDA_HOME once.
+        os.environ["CUDA_HOME"] = cuda_home
+    import torch
+    from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+
+    include = [os.path.join(ROOT, "csrc", "include")]
+    # -fno-math-errno / -fno-trapping-math let the compiler vectorize sqrtf and the
+    # branchless fp16 conversions; -ffp-contract=off keeps every SIMD variant
+    # bit-identical (no FMA contraction on one and not another).
+    cxx = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-fopenmp"]
+    exts = [
+        CppExtension(
+            "zerokern._C",
+            sources=[
+                "csrc/torch/ops_cpu.cpp",
+                "csrc/torch/adam_args.cpp",
+                "csrc/cpu/adam_cpu.cpp",
+                "csrc/cpu/adam_avx512.cpp",
+                "csrc/cpu/adam_avx2.cpp",
+                "csrc/cpu/adam_baseline.cpp",
+            ],
+            include_dirs=include,
+            extra_compile_args={"cxx": cxx},
+            extra_link_args=["-fopenmp"],
+        )
+    ]
+
+    build_cuda, reason = cuda_decision(torch.version.cuda, cuda_home)
+    archs = os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCHS) if build_cuda else ""
+    if build_cuda:
+        exts.append(
+            CUDAExtension(
+                "zerokern._C_cuda",
+                sources=[
+                    "csrc/torch/ops_cuda.cpp",
+                    "csrc/torch/adam_args.cpp",
+                    "csrc/cuda/adam_cuda.cu",
+                    "csrc/cuda/adam_cuda_f32.cu",
+                    "csrc/cuda/adam_cuda_f16.cu",
+                    "csrc/cuda/adam_cuda_bf16.cu",
+                ],
+                include_dirs=include + wheel_cuda_includes(),
+                extra_compile_args={
+                    "cxx": ["-O3", "-DZEROKERN_WITH_CUDA"],
+                    "nvcc": ["-O3", "-DZEROKERN_WITH_CUDA", "-lineinfo"],
+                },
+            )
+        )
+        print(f"zerokern: building CPU and CUDA extensions (archs {archs}; {reason})", flush=True)
+    else:
+        print(f"zerokern: building the CPU extension; CUDA extension skipped: {reason}", flush=True)
+    write_build_info(build_cuda, reason, archs)
+    return exts, {"build_ext": BuildExtension}
+
+
+ext_modules, cmdclass = extensions()
+setup(ext_modules=ext_modules, cmdclass=cmdclass)

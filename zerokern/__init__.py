@@ -1,0 +1,7 @@
+"""zerokern: fused optimizer and flat-buffer kernels for ZeRO-1/2 data parallelism."""
+
+from . import ops
+from .ops import available_backends, unavailable_backends
+
+__all__ = ["ops", "available_backends", "unavailable_backends"]
+__version__ = "0.1.0"

@@ -1,0 +1,99 @@
+"""Argument checks for the Python backends (torch, triton).
+
+The C++ backends check the same rules in csrc/torch/adam_args.cpp with the same
+wording; tests/test_adam_errors.py runs every bad input through every backend.
+Errors name the culprit: "grads[3] has 4097 elements, params[3] has 4096".
+"""
+
+import math
+
+import torch
+
+from .backends.hyper import AdamHyper
+
+_F32 = (torch.float32,)
+_GRAD = (torch.float32, torch.float16, torch.bfloat16)
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def dtype_name(dtype):
+    return str(dtype).removeprefix("torch.")
+
+
+def _names(dtypes):
+    names = [dtype_name(d) for d in dtypes]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def _check_tensor(t, name, i, p0, numel, allowed):
+    where = f"{name}[{i}]"
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{where} is {type(t).__name__}, expected a tensor")
+    if t.dtype not in allowed:
+        raise TypeError(f"{where} is {dtype_name(t.dtype)}, expected {_names(allowed)}")
+    if t.device != p0.device:
+        raise ValueError(f"{where} is on {t.device}, params[0] is on {p0.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{where} is not contiguous")
+    if t.numel() != numel:
+        raise ValueError(f"{where} has {t.numel()} elements, params[{i}] has {numel}")
+
+
+def _check_scalar_tensor(x, name, p0):
+    if not isinstance(x, torch.Tensor):
+        return
+    if x.dtype != torch.float32:
+        raise TypeError(f"{name} is {dtype_name(x.dtype)}, expected a one-element float32 tensor")
+    if x.numel() != 1:
+        raise ValueError(f"{name} has {x.numel()} elements, expected one")
+    if x.device != p0.device:
+        raise ValueError(f"{name} is on {x.device}, params[0] is on {p0.device}")
+
+
+def check_hyper(h: AdamHyper):
+    # The same order and wording as torch.optim's constructor checks.
+    if not isinstance(h.lr, torch.Tensor) and not h.lr >= 0.0:
+        raise ValueError(f"Invalid learning rate: {h.lr}")
+    if not h.eps >= 0.0:
+        raise ValueError(f"Invalid epsilon value: {h.eps}")
+    if not 0.0 <= h.beta1 < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 0: {h.beta1}")
+    if not 0.0 <= h.beta2 < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 1: {h.beta2}")
+    if not h.weight_decay >= 0.0:
+        raise ValueError(f"Invalid weight_decay value: {h.weight_decay}")
+    if not isinstance(h.step, torch.Tensor) and not h.step >= 1:
+        raise ValueError(f"step must be >= 1 (the 1-based number of the update being made), got {h.step}")
+    s = h.grad_scale
+    if s is not None and not isinstance(s, torch.Tensor) and not (math.isfinite(s) and s != 0):
+        raise ValueError(f"grad_scale must be finite and non-zero, got {s}")
+
+
+def check_adam_args(params, grads, exp_avgs, exp_avg_sqs, model_params, h: AdamHyper):
+    check_hyper(h)
+    n = len(params)
+    for name, lst in (("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)):
+        if len(lst) != n:
+            raise ValueError(f"{name} has {len(lst)} tensors, params has {n}")
+    if model_params and len(model_params) != n:
+        raise ValueError(f"model_params has {len(model_params)} tensors, params has {n}")
+    if n == 0:
+        return
+    p0 = params[0]
+    if not isinstance(p0, torch.Tensor):
+        raise TypeError(f"params[0] is {type(p0).__name__}, expected a tensor")
+    for i in range(n):
+        numel = params[i].numel() if isinstance(params[i], torch.Tensor) else 0
+        _check_tensor(params[i], "params", i, p0, numel, _F32)
+        _check_tensor(grads[i], "grads", i, p0, numel, _GRAD)
+        _check_tensor(exp_avgs[i], "exp_avgs", i, p0, numel, _F32)
+        _check_tensor(exp_avg_sqs[i], "exp_avg_sqs", i, p0, numel, _F32)
+        if model_params:
+            _check_tensor(model_params[i], "model_params", i, p0, numel, _LOW)
+        if numel > 0:
+            ptrs = (params[i].data_ptr(), exp_avgs[i].data_ptr(), exp_avg_sqs[i].data_ptr())
+            if len(set(ptrs)) != 3:
+                raise ValueError(
+                    f"params[{i}], exp_avgs[{i}] and exp_avg_sqs[{i}] must not share memory")
+    for name in ("lr", "step", "grad_scale", "found_inf"):
+        _check_scalar_tensor(getattr(h, name), name, p0)

@@ -1,0 +1,40 @@
+"""Loads the compiled operator libraries and remembers why one did not load.
+
+Importing zerokern never fails for want of a GPU or a build: a library that is
+missing leaves its backend unavailable, with the reason kept here for
+zerokern.ops.unavailable_backends().
+"""
+
+import torch
+
+try:
+    from . import _build_info
+except ImportError:  # running from a source tree that was never built
+    _build_info = None
+
+cpu_error = None
+cuda_error = None
+
+try:
+    from . import _C  # noqa: F401  registers torch.ops.zerokern.* and their CPU kernels
+except ImportError as e:
+    cpu_error = f"the C++ extension zerokern._C is not importable ({e}); run `pip install --no-build-isolation -e .`"
+
+if cpu_error is None:
+    if _build_info is not None and not _build_info.CUDA_BUILT:
+        cuda_error = f"the CUDA extension was not built: {_build_info.CUDA_REASON}"
+    else:
+        try:
+            from . import _C_cuda  # noqa: F401  registers the CUDA kernels
+        except ImportError as e:
+            cuda_error = f"the CUDA extension zerokern._C_cuda is not importable ({e})"
+else:
+    cuda_error = cpu_error
+
+
+if cpu_error is None:
+    # Fake (meta) kernels: let FakeTensor, torch.compile and opcheck reason about
+    # the ops without running them. Mutating ops with no outputs return None.
+    @torch.library.register_fake("zerokern::fused_adam_")
+    def _fused_adam_fake(params, grads, exp_avgs, exp_avg_sqs, model_params, **kwargs):
+        return None

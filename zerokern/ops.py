@@ -60,7 +60,7 @@ def fused_adam_(
     params, grads, exp_avgs, exp_avg_sqs = list(params), list(grads), list(exp_avgs), list(exp_avg_sqs)
     model_params = list(model_params) if model_params else None
     hyper = AdamHyper(_f32_scalar(lr), beta1, beta2, eps, weight_decay, _f32_scalar(step), adam_w_mode,
-                      bias_correction, _f32_scalar(grad_scale), _f32_scalar(found_inf))
+                      bias_correction, _f32_scalar(grad_scale), found_inf)
     if not params:
         resolve(backend, torch.device("cpu"))  # still reject an unknown backend name
         return

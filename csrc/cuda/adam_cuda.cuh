@@ -70,9 +70,9 @@ __global__ void __launch_bounds__(kThreads) adam_kernel(const __grid_constant__ 
   // [Note: skipped steps] found_inf is read on the device so an overflowed
   // fp16 step is skipped without the host ever waiting for the GPU.
   if (hyper.found_inf_ptr != nullptr && *hyper.found_inf_ptr != 0.f) return;
-  const float lr = hyper.lr_ptr ? *hyper.lr_ptr : hyper.lr;
-  const float step = hyper.step_ptr ? *hyper.step_ptr : hyper.step;
-  const float scale = hyper.grad_scale_ptr ? *hyper.grad_scale_ptr : hyper.grad_scale;
+  const double lr = hyper.lr_ptr ? *hyper.lr_ptr : hyper.lr;
+  const double step = hyper.step_ptr ? *hyper.step_ptr : hyper.step;
+  const double scale = hyper.grad_scale_ptr ? *hyper.grad_scale_ptr : hyper.grad_scale;
   const AdamCoeffs c = resolve_coeffs(hyper, lr, step, scale);
   constexpr bool kHasOut = !std::is_same<OutT, NoOut>::value;
 

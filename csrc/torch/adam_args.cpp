@@ -138,13 +138,13 @@ void check_adam_args(at::TensorList params, at::TensorList grads, at::TensorList
     }
   }
 
-  h.lr = static_cast<float>(lr);
-  h.beta1 = static_cast<float>(beta1);
-  h.beta2 = static_cast<float>(beta2);
-  h.eps = static_cast<float>(eps);
-  h.weight_decay = static_cast<float>(weight_decay);
-  h.step = static_cast<float>(step);
-  h.grad_scale = static_cast<float>(grad_scale);
+  h.lr = lr;
+  h.beta1 = beta1;
+  h.beta2 = beta2;
+  h.eps = eps;
+  h.weight_decay = weight_decay;
+  h.step = step;
+  h.grad_scale = grad_scale;
   h.adam_w_mode = adam_w_mode;
   h.bias_correction = bias_correction;
   if (n > 0) {

@@ -28,8 +28,8 @@ void fused_adam_cpu_op(at::TensorList params, at::TensorList grads, at::TensorLi
   if (h.lr_ptr) h.lr = *h.lr_ptr;
   if (h.step_ptr) h.step = *h.step_ptr;
   if (h.grad_scale_ptr) h.grad_scale = *h.grad_scale_ptr;
-  TORCH_CHECK_VALUE(h.step >= 1.f, "step must be >= 1 (the 1-based number of the update being made), got ", h.step);
-  TORCH_CHECK_VALUE(std::isfinite(h.grad_scale) && h.grad_scale != 0.f,
+  TORCH_CHECK_VALUE(h.step >= 1.0, "step must be >= 1 (the 1-based number of the update being made), got ", h.step);
+  TORCH_CHECK_VALUE(std::isfinite(h.grad_scale) && h.grad_scale != 0.0,
                     "grad_scale must be finite and non-zero, got ", h.grad_scale);
   h.lr_ptr = h.step_ptr = h.grad_scale_ptr = h.found_inf_ptr = nullptr;
   // torch.set_num_threads() governs our OpenMP team too.

@@ -5,35 +5,25 @@ in torch.optim.AdamW's single-tensor path. It reads found_inf and tensor
 hyper-parameters on the host (a sync), which the kernels avoid.
 """
 
-import math
-
 import torch
 
 from .._checks import check_adam_args
-from .hyper import AdamHyper
-
-
-def _value(x, default):
-    if x is None:
-        return default
-    return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
+from .hyper import AdamHyper, coefficients
 
 
 def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, model_params, h: AdamHyper):
     check_adam_args(params, grads, exp_avgs, exp_avg_sqs, model_params, h)
     if h.found_inf is not None and h.found_inf.item() != 0:
         return
-    lr, step, scale = _value(h.lr, None), _value(h.step, None), _value(h.grad_scale, 1.0)
-    bc1 = 1 - h.beta1**step if h.bias_correction else 1.0
-    bc2 = 1 - h.beta2**step if h.bias_correction else 1.0
-    step_size, bc2_sqrt = lr / bc1, math.sqrt(bc2)
+    coef = coefficients(h)
+    step_size, bc2_sqrt, decay, scale = coef.tolist() if isinstance(coef, torch.Tensor) else coef
+    l2 = 0.0 if h.adam_w_mode else h.weight_decay
     with torch.no_grad():
         for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
             g = g.float() / scale
-            if h.adam_w_mode:
-                p.mul_(1 - lr * h.weight_decay)
-            else:
-                g = g + h.weight_decay * p
+            if l2:
+                g = g + l2 * p
+            p.mul_(decay)
             m.mul_(h.beta1).add_(g, alpha=1 - h.beta1)
             v.mul_(h.beta2).addcmul_(g, g, value=1 - h.beta2)
             denom = (v.sqrt() / bc2_sqrt).add_(h.eps)

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .._checks import check_adam_args
-from .hyper import AdamHyper
+from .hyper import AdamHyper, coefficients
 
 BLOCK = 1024
 _TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -26,11 +26,10 @@ _TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.
 @triton.jit
 def _adam_kernel(
     table_ptr, first_tile_ptr, numel_ptr, n_tensors,
-    lr_ptr, step_ptr, scale_ptr, found_inf_ptr,
-    lr_value, step_value, scale_value, beta1, beta2, eps, weight_decay,
+    coef_ptr, found_inf_ptr,
+    step_size, bc2_sqrt, decay, scale, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, l2,
     GRAD_T: tl.constexpr, OUT_T: tl.constexpr, HAS_OUT: tl.constexpr,
-    LR_PTR: tl.constexpr, STEP_PTR: tl.constexpr, SCALE_PTR: tl.constexpr, FOUND_INF: tl.constexpr,
-    ADAM_W: tl.constexpr, BIAS_CORRECTION: tl.constexpr,
+    COEF_PTR: tl.constexpr, FOUND_INF: tl.constexpr,
     SEARCH_STEPS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     tile = tl.program_id(0).to(tl.int64)
@@ -47,35 +46,28 @@ def _adam_kernel(
     offs = (tile - tl.load(first_tile_ptr + t)) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     if FOUND_INF:
-        mask = mask & (tl.load(found_inf_ptr) == 0)
+        # Every lane reads the flag (one cached address): a step skipped on overflow.
+        mask = mask & (tl.load(found_inf_ptr + offs * 0) == 0)
 
     p_ptr = tl.load(table_ptr + t).to(tl.pointer_type(tl.float32))
     g_ptr = tl.load(table_ptr + n_tensors + t).to(tl.pointer_type(GRAD_T))
     m_ptr = tl.load(table_ptr + 2 * n_tensors + t).to(tl.pointer_type(tl.float32))
     v_ptr = tl.load(table_ptr + 3 * n_tensors + t).to(tl.pointer_type(tl.float32))
 
-    lr = tl.load(lr_ptr) if LR_PTR else lr_value
-    step = tl.load(step_ptr) if STEP_PTR else step_value
-    scale = tl.load(scale_ptr) if SCALE_PTR else scale_value
-    if BIAS_CORRECTION:
-        bc1 = 1.0 - tl.exp2(step * tl.log2(beta1))
-        bc2 = 1.0 - tl.exp2(step * tl.log2(beta2))
-    else:
-        bc1 = 1.0
-        bc2 = 1.0
-    step_size = lr / bc1
-    bc2_sqrt = tl.sqrt(bc2 + tl.zeros((), tl.float32))
+    if COEF_PTR:  # computed on the device from tensor lr/step/grad_scale (see coefficients())
+        step_size = tl.load(coef_ptr)
+        bc2_sqrt = tl.load(coef_ptr + 1)
+        decay = tl.load(coef_ptr + 2)
+        scale = tl.load(coef_ptr + 3)
 
     p = tl.load(p_ptr + offs, mask=mask)
     g = tl.load(g_ptr + offs, mask=mask).to(tl.float32) / scale
     m = tl.load(m_ptr + offs, mask=mask)
     v = tl.load(v_ptr + offs, mask=mask)
-    if ADAM_W:
-        p = p * (1.0 - lr * weight_decay)
-    else:
-        g = g + weight_decay * p
-    m = beta1 * m + (1.0 - beta1) * g
-    v = beta2 * v + (1.0 - beta2) * g * g
+    g = g + l2 * p
+    p = p * decay
+    m = beta1 * m + one_minus_beta1 * g
+    v = beta2 * v + one_minus_beta2 * g * g
     p = p - step_size * (m / (tl.sqrt(v) / bc2_sqrt + eps))
     tl.store(p_ptr + offs, p, mask=mask)
     tl.store(m_ptr + offs, m, mask=mask)
@@ -103,19 +95,12 @@ def _groups(params, grads, model_params):
     return groups
 
 
-def _scalar(x, default):
-    """(pointer argument, value argument, is-a-pointer) for a number-or-tensor."""
-    if isinstance(x, torch.Tensor):
-        return x, 0.0, True
-    return None, float(default if x is None else x), False
-
-
 def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, model_params, h: AdamHyper):
     check_adam_args(params, grads, exp_avgs, exp_avg_sqs, model_params, h)
     device = params[0].device if params else None
-    lr = _scalar(h.lr, None)
-    step = _scalar(h.step, None)
-    scale = _scalar(h.grad_scale, 1.0)
+    coef = coefficients(h)
+    on_device = isinstance(coef, torch.Tensor)
+    l2 = 0.0 if h.adam_w_mode else h.weight_decay
     for (gdt, odt), idx in _groups(params, grads, model_params).items():
         lists = [params, grads, exp_avgs, exp_avg_sqs] + ([model_params] if odt is not None else [])
         table = [lst[i].data_ptr() for lst in lists for i in idx]
@@ -131,11 +116,9 @@ def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, model_params, h: AdamHyper
         dummy = meta  # stands in for absent pointer arguments (never read)
         _adam_kernel[(first_tile[-1],)](
             table_t, first_t, numel_t, k,
-            lr[0] if lr[2] else dummy, step[0] if step[2] else dummy,
-            scale[0] if scale[2] else dummy, h.found_inf if h.found_inf is not None else dummy,
-            lr[1], step[1], scale[1], h.beta1, h.beta2, h.eps, h.weight_decay,
+            coef if on_device else dummy, h.found_inf if h.found_inf is not None else dummy,
+            *((1.0, 1.0, 1.0, 1.0) if on_device else coef), h.beta1, h.beta2, 1.0 - h.beta1, 1.0 - h.beta2, h.eps, l2,
             GRAD_T=_TL[gdt], OUT_T=_TL[odt] if odt is not None else tl.float16, HAS_OUT=odt is not None,
-            LR_PTR=lr[2], STEP_PTR=step[2], SCALE_PTR=scale[2], FOUND_INF=h.found_inf is not None,
-            ADAM_W=h.adam_w_mode, BIAS_CORRECTION=h.bias_correction,
+            COEF_PTR=on_device, FOUND_INF=h.found_inf is not None,
             SEARCH_STEPS=max(1, math.ceil(math.log2(k))) if k > 1 else 0, BLOCK=BLOCK,
         )

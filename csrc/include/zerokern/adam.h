@@ -36,13 +36,13 @@ enum class DType : uint8_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kNone = 
 // fields, nullable) so a CUDA graph can capture a step with no host sync; the
 // CPU path resolves those on the host before launching.
 struct AdamHyper {
-  float lr = 1e-3f;
-  float beta1 = 0.9f;
-  float beta2 = 0.999f;
-  float eps = 1e-8f;
-  float weight_decay = 0.f;
-  float step = 1.f;        // 1-based number of the update being made
-  float grad_scale = 1.f;  // grads are divided by it
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  double step = 1.0;        // 1-based number of the update being made
+  double grad_scale = 1.0;  // grads are divided by it
   bool adam_w_mode = true;
   bool bias_correction = true;
   const float* lr_ptr = nullptr;
@@ -61,22 +61,26 @@ struct AdamCoeffs {
   float grad_scale;
 };
 
-ZK_HOST_DEVICE AdamCoeffs resolve_coeffs(const AdamHyper& h, float lr, float step, float grad_scale) {
+// In double, as torch.optim does: 1 - beta2^step loses most of its digits to
+// cancellation in float (bc2 = 1e-3 at step 1 would be off by 1e-5 relative).
+// On the GPU this runs once per thread, not per element.
+// lr is rounded to float first, so a number and a float32 tensor holding it
+// give the same bits.
+ZK_HOST_DEVICE AdamCoeffs resolve_coeffs(const AdamHyper& h, double lr_in, double step, double grad_scale) {
+  const double lr = static_cast<float>(lr_in);
   AdamCoeffs c;
-  c.beta1 = h.beta1;
-  c.beta2 = h.beta2;
-  c.one_minus_beta1 = 1.f - h.beta1;
-  c.one_minus_beta2 = 1.f - h.beta2;
-  c.eps = h.eps;
-  c.weight_decay = h.adam_w_mode ? 0.f : h.weight_decay;
-  c.decay = h.adam_w_mode ? 1.f - lr * h.weight_decay : 1.f;
-  // Bias corrections in double on the host and float on the device would
-  // differ by an ulp; float powf everywhere keeps backends bit-compatible.
-  const float bc1 = h.bias_correction ? 1.f - powf(h.beta1, step) : 1.f;
-  const float bc2 = h.bias_correction ? 1.f - powf(h.beta2, step) : 1.f;
-  c.step_size = lr / bc1;
-  c.bc2_sqrt = sqrtf(bc2);
-  c.grad_scale = grad_scale;
+  c.beta1 = static_cast<float>(h.beta1);
+  c.beta2 = static_cast<float>(h.beta2);
+  c.one_minus_beta1 = static_cast<float>(1.0 - h.beta1);
+  c.one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
+  c.eps = static_cast<float>(h.eps);
+  c.weight_decay = h.adam_w_mode ? 0.f : static_cast<float>(h.weight_decay);
+  c.decay = h.adam_w_mode ? static_cast<float>(1.0 - lr * h.weight_decay) : 1.f;
+  const double bc1 = h.bias_correction ? 1.0 - pow(h.beta1, step) : 1.0;
+  const double bc2 = h.bias_correction ? 1.0 - pow(h.beta2, step) : 1.0;
+  c.step_size = static_cast<float>(lr / bc1);
+  c.bc2_sqrt = static_cast<float>(sqrt(bc2));
+  c.grad_scale = static_cast<float>(grad_scale);
   return c;
 }
 

@@ -1,0 +1,68 @@
+"""Every SIMD variant of the CPU kernel gives the same bits.
+
+The variant is chosen once per process from the CPU's features, or forced with
+ZEROKERN_CPU_CAPABILITY, so each one runs in a subprocess.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+SCRIPT = r"""
+import sys, torch
+from zerokern import ops
+out = {"capability": torch.ops.zerokern.cpu_capability()}
+dtypes = [torch.float32, torch.float16, torch.bfloat16]
+for gd in dtypes:
+    for md in [None, torch.float16, torch.bfloat16]:
+        gen = torch.Generator().manual_seed(0)
+        sizes = [0, 1, 15, 16, 17, 1000, 40001]
+        p = [torch.randn(n, generator=gen) * 100 for n in sizes]
+        g = [(torch.randn(n, generator=gen) * 1e-3).to(gd) for n in sizes]
+        m = [torch.zeros(n) for n in sizes]; v = [torch.zeros(n) for n in sizes]
+        o = [torch.empty(n, dtype=md) for n in sizes] if md else None
+        for step in (1, 2, 3):
+            ops.fused_adam_(p, g, m, v, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                            step=step, model_params=o, grad_scale=3.0, backend="cpu")
+        out[(gd, md)] = (p, m, v, o)
+torch.save(out, sys.argv[1])
+"""
+
+
+def _run(tmp_path, capability):
+    path = tmp_path / f"{capability or 'default'}.pt"
+    env = dict(os.environ)
+    env.pop("ZEROKERN_CPU_CAPABILITY", None)
+    if capability:
+        env["ZEROKERN_CPU_CAPABILITY"] = capability
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(path)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    if proc.returncode != 0 and "lacks the instructions" in proc.stderr:
+        pytest.skip(f"this CPU cannot run the {capability} variant")
+    assert proc.returncode == 0, proc.stderr
+    return torch.load(path, weights_only=False)
+
+
+@pytest.mark.parametrize("capability", ["avx2", "baseline"])
+def test_variant_matches_default_bit_for_bit(tmp_path, capability):
+    default = _run(tmp_path, None)
+    other = _run(tmp_path, capability)
+    default_capability = default.pop("capability")
+    assert other.pop("capability") == capability
+    for key, (p, m, v, o) in default.items():
+        p2, m2, v2, o2 = other[key]
+        for name, a_list, b_list in (("params", p, p2), ("exp_avgs", m, m2), ("exp_avg_sqs", v, v2),
+                                     ("model_params", o or [], o2 or [])):
+            for i, (a, b) in enumerate(zip(a_list, b_list)):
+                assert torch.equal(a, b), f"{key}: {name}[{i}] differs between {default_capability} and {capability}"
+
+
+def test_unknown_capability_is_refused(tmp_path):
+    env = dict(os.environ, ZEROKERN_CPU_CAPABILITY="sse9")
+    proc = subprocess.run([sys.executable, "-c", "import torch, zerokern; print(torch.ops.zerokern.cpu_capability())"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "ZEROKERN_CPU_CAPABILITY=sse9 is not one of avx512, avx2, baseline" in proc.stderr

@@ -38,3 +38,7 @@ if cpu_error is None:
     @torch.library.register_fake("zerokern::fused_adam_")
     def _fused_adam_fake(params, grads, exp_avgs, exp_avg_sqs, model_params, **kwargs):
         return None
+
+    @torch.library.register_fake("zerokern::stream_roof_")
+    def _stream_roof_fake(params, grads, exp_avgs, exp_avg_sqs, model_params):
+        return None

@@ -50,7 +50,8 @@ def fused_adam_(
     """One Adam (adam_w_mode=False) or AdamW step over lists of tensors, in place, in one pass.
 
     params, exp_avgs, exp_avg_sqs: fp32, contiguous. grads: fp32, fp16 or bf16
-    (mixed within the list is fine), divided by grad_scale when given.
+    (mixed within the list is fine), unscaled by grad_scale when given (multiplied
+    by 1/grad_scale, as torch.amp.GradScaler does: exact for power-of-two scales).
     model_params: fp16/bf16 tensors that receive the updated params, rounded to
     nearest even, in the same pass (params are then the fp32 master weights).
     found_inf: a one-element float32 tensor; non-zero makes the call change nothing.

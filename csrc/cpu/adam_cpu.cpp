@@ -18,7 +18,8 @@ namespace {
 
 struct Variant {
   const char* name;
-  cpu::AdamSpanFn fn;
+  cpu::AdamSpanFn adam;
+  cpu::AdamSpanFn roof;
 };
 
 bool cpu_has(const char* feature) {
@@ -39,9 +40,9 @@ bool cpu_has(const char* feature) {
 // (for tests and for comparing variants; asking for one the CPU lacks is an error).
 Variant choose_variant() {
   static const Variant variants[] = {
-      {"avx512", cpu::avx512::adam_span},
-      {"avx2", cpu::avx2::adam_span},
-      {"baseline", cpu::baseline::adam_span},
+      {"avx512", cpu::avx512::adam_span, cpu::avx512::roof_span},
+      {"avx2", cpu::avx2::adam_span, cpu::avx2::roof_span},
+      {"baseline", cpu::baseline::adam_span, cpu::baseline::roof_span},
   };
   const char* wanted = std::getenv("ZEROKERN_CPU_CAPABILITY");
   if (wanted && *wanted) {
@@ -75,10 +76,12 @@ constexpr int64_t kBoundary = 16;
 
 const char* cpu_capability() { return variant().name; }
 
-void fused_adam_cpu(const AdamTensorList& t, const AdamHyper& h, int num_threads) {
-  const cpu::AdamSpanFn fn = variant().fn;
-  const AdamCoeffs c = resolve_coeffs(h, h.lr, h.step, h.grad_scale);
+namespace {
 
+// Runs fn over the list, split across threads by elements: thread k takes the
+// k-th equal slice of the concatenation of all tensors, so many small tensors
+// balance as well as one big one.
+void for_each_span(const AdamTensorList& t, int num_threads, cpu::AdamSpanFn fn, const AdamCoeffs& c) {
   // start[i]: index of tensor i's first element in the concatenation of all tensors.
   std::vector<int64_t> start(t.count + 1, 0);
   for (int64_t i = 0; i < t.count; ++i) start[i + 1] = start[i] + t.numel[i];
@@ -113,6 +116,16 @@ void fused_adam_cpu(const AdamTensorList& t, const AdamHyper& h, int num_threads
       fn(s, c);
     }
   }
+}
+
+}  // namespace
+
+void fused_adam_cpu(const AdamTensorList& t, const AdamHyper& h, int num_threads) {
+  for_each_span(t, num_threads, variant().adam, resolve_coeffs(h, h.lr, h.step, h.grad_scale));
+}
+
+void stream_roof_cpu(const AdamTensorList& t, int num_threads) {
+  for_each_span(t, num_threads, variant().roof, AdamCoeffs{});
 }
 
 }  // namespace zerokern

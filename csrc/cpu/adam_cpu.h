@@ -22,9 +22,18 @@ struct AdamSpan {
 
 using AdamSpanFn = void (*)(const AdamSpan&, const AdamCoeffs&);
 
-namespace avx512 { void adam_span(const AdamSpan& s, const AdamCoeffs& c); }
-namespace avx2 { void adam_span(const AdamSpan& s, const AdamCoeffs& c); }
-namespace baseline { void adam_span(const AdamSpan& s, const AdamCoeffs& c); }
+namespace avx512 {
+void adam_span(const AdamSpan& s, const AdamCoeffs& c);
+void roof_span(const AdamSpan& s, const AdamCoeffs& c);
+}  // namespace avx512
+namespace avx2 {
+void adam_span(const AdamSpan& s, const AdamCoeffs& c);
+void roof_span(const AdamSpan& s, const AdamCoeffs& c);
+}  // namespace avx2
+namespace baseline {
+void adam_span(const AdamSpan& s, const AdamCoeffs& c);
+void roof_span(const AdamSpan& s, const AdamCoeffs& c);
+}  // namespace baseline
 
 }  // namespace cpu
 }  // namespace zerokern

@@ -38,14 +38,29 @@ void fused_adam_cpu_op(at::TensorList params, at::TensorList grads, at::TensorLi
 
 std::string cpu_capability_op() { return cpu_capability(); }
 
+// For bench/: the bandwidth roof of fused_adam_ on these tensors (see stream_roof_cpu).
+void stream_roof_op(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                    at::TensorList exp_avg_sqs, at::TensorList model_params) {
+  AdamArrays arrays;
+  AdamHyper h;
+  check_adam_args(params, grads, exp_avgs, exp_avg_sqs, model_params, 0.0, 0.9, 0.999, 0.0, 0.0, 1.0, true,
+                  true, 1.0, {}, {}, {}, {}, arrays, h);
+  stream_roof_cpu(arrays.view(), at::get_num_threads());
+}
+
 }  // namespace
 
 TORCH_LIBRARY(zerokern, m) {
   m.def(kFusedAdamSchema);
   m.def("cpu_capability() -> str", &cpu_capability_op);
+  m.def("stream_roof_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+        "Tensor(d!)[] model_params) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(zerokern, CPU, m) { m.impl("fused_adam_", &fused_adam_cpu_op); }
+TORCH_LIBRARY_IMPL(zerokern, CPU, m) {
+  m.impl("fused_adam_", &fused_adam_cpu_op);
+  m.impl("stream_roof_", &stream_roof_op);
+}
 
 }  // namespace zerokern
 

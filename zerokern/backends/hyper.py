@@ -31,10 +31,11 @@ def _f32(x: float) -> float:
 
 
 def coefficients(h: AdamHyper):
-    """The per-call constants of the update: (step_size, bc2_sqrt, decay, grad_scale).
+    """The per-call constants of the update: (step_size, inv_bc2_sqrt, decay, inv_grad_scale).
 
-    step_size = lr / (1 - beta1^step), bc2_sqrt = sqrt(1 - beta2^step) (both 1
-    without bias correction), decay = 1 - lr * weight_decay (AdamW; 1 for Adam).
+    step_size = lr / (1 - beta1^step), inv_bc2_sqrt = 1 / sqrt(1 - beta2^step)
+    (both 1 without bias correction), decay = 1 - lr * weight_decay (AdamW; 1
+    for Adam), inv_grad_scale = 1 / grad_scale (grad_scale rounded to float32).
     Computed in float64 as torch.optim does (1 - beta2^step cancels badly in
     float32), with lr rounded to float32 first as the C++ kernels do. Python
     floats when lr, step and grad_scale are numbers; otherwise one float32
@@ -47,7 +48,7 @@ def coefficients(h: AdamHyper):
         bc1 = 1.0 - h.beta1**step if h.bias_correction else 1.0
         bc2 = 1.0 - h.beta2**step if h.bias_correction else 1.0
         decay = 1.0 - lr * h.weight_decay if h.adam_w_mode else 1.0
-        return lr / bc1, math.sqrt(bc2), decay, scale
+        return lr / bc1, 1.0 / math.sqrt(bc2), decay, 1.0 / _f32(scale)
 
     device = tensors[0].device
 
@@ -56,9 +57,9 @@ def coefficients(h: AdamHyper):
             return x.reshape(()).to(torch.float64)
         return torch.tensor(float(default if x is None else x), dtype=torch.float64, device=device)
 
-    lr, step, scale = f64(h.lr).float().double(), f64(h.step), f64(h.grad_scale, 1.0)
+    lr, step, scale = f64(h.lr).float().double(), f64(h.step), f64(h.grad_scale, 1.0).float().double()
     one = torch.ones((), dtype=torch.float64, device=device)
     bc1 = 1.0 - torch.pow(h.beta1, step) if h.bias_correction else one
     bc2 = 1.0 - torch.pow(h.beta2, step) if h.bias_correction else one
     decay = 1.0 - lr * h.weight_decay if h.adam_w_mode else one
-    return torch.stack([lr / bc1, bc2.sqrt(), decay, scale]).to(torch.float32)
+    return torch.stack([lr / bc1, bc2.rsqrt(), decay, 1.0 / scale]).to(torch.float32)

@@ -16,17 +16,17 @@ def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, model_params, h: AdamHyper
     if h.found_inf is not None and h.found_inf.item() != 0:
         return
     coef = coefficients(h)
-    step_size, bc2_sqrt, decay, scale = coef.tolist() if isinstance(coef, torch.Tensor) else coef
+    step_size, inv_bc2_sqrt, decay, inv_scale = coef.tolist() if isinstance(coef, torch.Tensor) else coef
     l2 = 0.0 if h.adam_w_mode else h.weight_decay
     with torch.no_grad():
         for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
-            g = g.float() / scale
+            g = g.float() * inv_scale
             if l2:
                 g = g + l2 * p
             p.mul_(decay)
             m.mul_(h.beta1).add_(g, alpha=1 - h.beta1)
             v.mul_(h.beta2).addcmul_(g, g, value=1 - h.beta2)
-            denom = (v.sqrt() / bc2_sqrt).add_(h.eps)
+            denom = (v.sqrt() * inv_bc2_sqrt).add_(h.eps)
             p.addcdiv_(m, denom, value=-step_size)
             if model_params:
                 model_params[i].copy_(p)

@@ -27,7 +27,7 @@ _TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.
 def _adam_kernel(
     table_ptr, first_tile_ptr, numel_ptr, n_tensors,
     coef_ptr, found_inf_ptr,
-    step_size, bc2_sqrt, decay, scale, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, l2,
+    step_size, inv_bc2_sqrt, decay, inv_scale, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, l2,
     GRAD_T: tl.constexpr, OUT_T: tl.constexpr, HAS_OUT: tl.constexpr,
     COEF_PTR: tl.constexpr, FOUND_INF: tl.constexpr,
     SEARCH_STEPS: tl.constexpr, BLOCK: tl.constexpr,
@@ -56,19 +56,21 @@ def _adam_kernel(
 
     if COEF_PTR:  # computed on the device from tensor lr/step/grad_scale (see coefficients())
         step_size = tl.load(coef_ptr)
-        bc2_sqrt = tl.load(coef_ptr + 1)
+        inv_bc2_sqrt = tl.load(coef_ptr + 1)
         decay = tl.load(coef_ptr + 2)
-        scale = tl.load(coef_ptr + 3)
+        inv_scale = tl.load(coef_ptr + 3)
 
     p = tl.load(p_ptr + offs, mask=mask)
-    g = tl.load(g_ptr + offs, mask=mask).to(tl.float32) / scale
+    g = tl.load(g_ptr + offs, mask=mask).to(tl.float32) * inv_scale
     m = tl.load(m_ptr + offs, mask=mask)
     v = tl.load(v_ptr + offs, mask=mask)
     g = g + l2 * p
     p = p * decay
     m = beta1 * m + one_minus_beta1 * g
     v = beta2 * v + one_minus_beta2 * g * g
-    p = p - step_size * (m / (tl.sqrt(v) / bc2_sqrt + eps))
+    # IEEE-rounded sqrt and division (tl.sqrt and / may be approximate on GPUs),
+    # as the C++ kernels compute them.
+    p = p - step_size * tl.div_rn(m, tl.sqrt_rn(v) * inv_bc2_sqrt + eps)
     tl.store(p_ptr + offs, p, mask=mask)
     tl.store(m_ptr + offs, m, mask=mask)
     tl.store(v_ptr + offs, v, mask=mask)

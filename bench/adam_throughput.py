@@ -6,7 +6,7 @@
 
 For each precision (fp32 AdamW; mixed = fp32 master weights, bf16 grads, bf16
 model params written back), layout (one flat tensor; a GPT-style list of layer
-tensors) and size, it times every usable zerokern backend and the installed
+tensors; 200 equal tensors, which shows the per-tensor cost) and size, it times every usable zerokern backend and the installed
 peers, interleaved, and reports median ms/step with the 25th-75th percentile
 spread, params/s, GB/s and how close that is to the roof.
 
@@ -35,6 +35,7 @@ from zerokern import ops  # noqa: E402
 from zerokern.backends.registry import PREFERENCE  # noqa: E402
 
 BYTES_PER_PARAM = 28
+MANY = 200  # the "many" layout: the same params split into this many equal tensors
 HYPER = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
 
@@ -42,7 +43,8 @@ class Case:
     """The tensors of one (precision, layout, size) case, shared by all implementations."""
 
     def __init__(self, precision, layout, n, device):
-        shapes = [(n,)] if layout == "flat" else H.transformer_shapes(n)
+        shapes = {"flat": lambda: [(n,)], "layers": lambda: H.transformer_shapes(n),
+                  "many": lambda: [(n // MANY,)] * MANY}[layout]()
         self.precision, self.layout, self.device = precision, layout, device
         self.numel = sum(torch.Size(s).numel() for s in shapes)
         self.params = [torch.randn(s, device=device) * 0.02 for s in shapes]
@@ -172,6 +174,18 @@ def run_case(precision, layout, n, device, budget_s, rounds, with_reference, pro
     return rows
 
 
+def many_vs_flat(rows):
+    """Per-tensor cost: time for the params split into 200 tensors over time for one tensor."""
+    key = {(r["precision"], r["layout"], r["params"] // MANY * MANY, r["impl"]): r["median_ms"] for r in rows}
+    lines = []
+    for (prec, layout, n, impl), ms in sorted(key.items()):
+        if layout == "many" and (prec, "flat", n, impl) in key:
+            lines.append(f"  {prec:5s} {n:.0e} {impl:20s} {ms / key[(prec, 'flat', n, impl)]:.2f}x")
+    if lines:
+        print(f"\n{MANY} tensors vs one tensor of the same total size (time ratio):")
+        print("\n".join(lines))
+
+
 def parse_sizes(text):
     return [int(float(x)) for x in text.split(",")]
 
@@ -182,7 +196,7 @@ def main(argv=None):
     ap.add_argument("--sizes", type=parse_sizes, help="params per case, e.g. 1e6,1e7,1e8 "
                     "(default: 1e6,1e7,1e8 on CPU; 1e6,1e7,1e8,2.56e8,1e9 on GPU)")
     ap.add_argument("--precisions", default="fp32,mixed")
-    ap.add_argument("--layouts", default="flat,layers")
+    ap.add_argument("--layouts", default="flat,layers,many")
     ap.add_argument("--threads", type=int, help="CPU threads (torch.set_num_threads)")
     ap.add_argument("--budget", type=float, default=2.0, help="seconds of timing per case (sets the rounds)")
     ap.add_argument("--rounds", type=int, help="fixed number of interleaved rounds instead of --budget")
@@ -216,6 +230,7 @@ def main(argv=None):
         ("gb_per_s", "GB/s", "{:.1f}"), ("pct_of_roof", "%roof", "{:.0f}"), ("pct_of_copy", "%copy", "{:.0f}"),
         ("speedup_vs_torch_fused", "vs torch-fused", "{:.2f}x"),
     ])
+    many_vs_flat(rows)
     if args.json:
         H.write_json(args.json, info, rows)
     if args.plot:

@@ -97,3 +97,82 @@ def check_adam_args(params, grads, exp_avgs, exp_avg_sqs, model_params, h: AdamH
                     f"params[{i}], exp_avgs[{i}] and exp_avg_sqs[{i}] must not share memory")
     for name in ("lr", "step", "grad_scale", "found_inf"):
         _check_scalar_tensor(getattr(h, name), name, p0)
+
+
+# --- flatten / unflatten (csrc/torch/flat_ops.cpp has the same rules) ---
+
+_KERNEL_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_flat_list(tensors, name, ref, ref_name):
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}[{i}] is {type(t).__name__}, expected a tensor")
+        if t.dtype not in _KERNEL_FLOATS:
+            raise TypeError(f"{name}[{i}] is {dtype_name(t.dtype)}, expected float32, float16 or bfloat16")
+        if t.device != ref.device:
+            raise ValueError(f"{name}[{i}] is on {t.device}, {ref_name} is on {ref.device}")
+
+
+def check_flat(flat):
+    if not isinstance(flat, torch.Tensor):
+        raise TypeError(f"flat is {type(flat).__name__}, expected a tensor")
+    if flat.dtype not in _KERNEL_FLOATS:
+        raise TypeError(f"flat is {dtype_name(flat.dtype)}, expected float32, float16 or bfloat16")
+    if flat.dim() != 1 or not flat.is_contiguous():
+        raise ValueError(f"flat must be a 1-D contiguous tensor, got shape {list(flat.shape)}"
+                         + ("" if flat.is_contiguous() else " (not contiguous)"))
+
+
+def resolve_offsets(tensors, name, offsets):
+    """Each tensor's offset in the flat buffer: the given ones (increasing, no
+    overlap) or packed back to back."""
+    if offsets is None:
+        out, nxt = [], 0
+        for t in tensors:
+            out.append(nxt)
+            nxt += t.numel()
+        return out
+    offsets = [int(o) for o in offsets]
+    if len(offsets) != len(tensors):
+        raise ValueError(f"offsets has {len(offsets)} entries, {name} has {len(tensors)}")
+    end = 0
+    for i, o in enumerate(offsets):
+        if o < end:
+            if i == 0:
+                raise ValueError(f"offsets[0] = {o} is negative")
+            raise ValueError(f"offsets[{i}] = {o} overlaps {name}[{i - 1}] (offsets[{i - 1}] = {offsets[i - 1]}, "
+                             f"{tensors[i - 1].numel()} elements); offsets must increase")
+        end = o + tensors[i].numel()
+    return offsets
+
+
+def check_fits(flat, tensors, name, offsets, packed):
+    need = offsets[-1] + tensors[-1].numel() if tensors else 0
+    if packed and flat.numel() != need:
+        raise ValueError(f"flat has {flat.numel()} elements, the {name} hold {need}")
+    if not packed and flat.numel() < need:
+        raise ValueError(f"{name}[{len(tensors) - 1}] ends at element {need}, past flat's {flat.numel()}")
+
+
+def check_flatten_args(tensors, dtype, offsets, numel):
+    """-> (offsets, numel of the flat buffer, whether it has gaps to zero)."""
+    if not tensors:
+        raise ValueError("flatten needs at least one tensor (it takes the device from tensors[0])")
+    if dtype not in _KERNEL_FLOATS:
+        raise TypeError(f"dtype is {dtype_name(dtype)}, expected float32, float16 or bfloat16")
+    check_flat_list(tensors, "tensors", tensors[0], "tensors[0]")
+    off = resolve_offsets(tensors, "tensors", offsets)
+    need = off[-1] + tensors[-1].numel()
+    size = need if numel is None else int(numel)
+    if size < need:
+        raise ValueError(f"numel {size} is less than the {need} elements the tensors need")
+    return off, size, size != need or offsets is not None
+
+
+def check_unflatten_args(flat, tensors, name, offsets):
+    check_flat(flat)
+    check_flat_list(tensors, name, flat, "flat")
+    off = resolve_offsets(tensors, name, offsets)
+    check_fits(flat, tensors, name, off, offsets is None)
+    return off

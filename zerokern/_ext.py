@@ -42,3 +42,20 @@ if cpu_error is None:
     @torch.library.register_fake("zerokern::stream_roof_")
     def _stream_roof_fake(params, grads, exp_avgs, exp_avg_sqs, model_params):
         return None
+
+    @torch.library.register_fake("zerokern::flatten")
+    def _flatten_fake(tensors, dtype, offsets=None, numel=None):
+        if numel is None:
+            if offsets is None:
+                numel = sum(t.numel() for t in tensors)
+            else:
+                numel = offsets[-1] + tensors[-1].numel()
+        return tensors[0].new_empty((numel,), dtype=dtype)
+
+    @torch.library.register_fake("zerokern::unflatten")
+    def _unflatten_fake(flat, like, offsets=None):
+        return [t.new_empty(t.shape) for t in like]
+
+    @torch.library.register_fake("zerokern::unflatten_into_")
+    def _unflatten_into_fake(flat, targets, offsets=None):
+        return None

@@ -1,5 +1,7 @@
 """zerokern's kernels as functions: one signature, several backends.
 
+fused_adam_ is below; flatten, unflatten and unflatten_into live in flat_ops.py.
+
     fused_adam_(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps,
                 weight_decay, step, adam_w_mode=True, bias_correction=True,
                 grad_scale=None, found_inf=None, model_params=None, backend="auto")
@@ -16,8 +18,10 @@ import torch
 from . import _ext  # noqa: F401  loads the compiled operators, if built
 from .backends.hyper import AdamHyper, Scalar
 from .backends.registry import BackendUnavailableError, available_backends, resolve, unavailable_backends
+from .flat_ops import flatten, unflatten, unflatten_into
 
-__all__ = ["fused_adam_", "available_backends", "unavailable_backends", "BackendUnavailableError", "AdamHyper"]
+__all__ = ["fused_adam_", "flatten", "unflatten", "unflatten_into", "available_backends", "unavailable_backends",
+           "BackendUnavailableError", "AdamHyper"]
 
 
 def _f32_scalar(x):

@@ -41,10 +41,6 @@ cudaError_t launch(DType grad, DType out, const AdamBatch& b, const AdamHyper& h
   }
 }
 
-bool is_aligned(const void* ptr, size_t bytes) {
-  return ptr == nullptr || reinterpret_cast<uintptr_t>(ptr) % bytes == 0;
-}
-
 }  // namespace
 }  // namespace cuda
 

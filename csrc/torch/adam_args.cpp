@@ -1,35 +1,12 @@
 #include "adam_args.h"
 
+#include "names.h"
+
 #include <cmath>
 #include <sstream>
 
 namespace zerokern {
 namespace {
-
-// Python spelling of a dtype ("float16", not "Half") so messages read the same
-// from every backend.
-std::string dtype_name(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return "float32";
-    case at::kHalf: return "float16";
-    case at::kBFloat16: return "bfloat16";
-    case at::kDouble: return "float64";
-    case at::kInt: return "int32";
-    case at::kLong: return "int64";
-    case at::kBool: return "bool";
-    default: return c10::toString(t);
-  }
-}
-
-std::string where(const char* list, size_t i) { return std::string(list) + "[" + std::to_string(i) + "]"; }
-
-DType to_kernel_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kHalf: return DType::kFloat16;
-    case at::kBFloat16: return DType::kBFloat16;
-    default: return DType::kFloat32;
-  }
-}
 
 void check_tensor(const at::Tensor& t, const char* list, size_t i, const at::Tensor& p0, int64_t numel,
                   const char* expected, bool (*dtype_ok)(at::ScalarType)) {
@@ -44,7 +21,7 @@ void check_tensor(const at::Tensor& t, const char* list, size_t i, const at::Ten
 }
 
 bool is_f32(at::ScalarType t) { return t == at::kFloat; }
-bool is_grad(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
+bool is_grad(at::ScalarType t) { return is_kernel_float(t); }
 bool is_low(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
 
 const float* scalar_ptr(const std::optional<at::Tensor>& t, const char* name, const at::Tensor& p0) {

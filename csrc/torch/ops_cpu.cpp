@@ -6,7 +6,9 @@
 #include <torch/library.h>
 
 #include "adam_args.h"
+#include "flat_ops.h"
 #include "zerokern/adam.h"
+#include "zerokern/cast.h"
 
 namespace zerokern {
 namespace {
@@ -36,6 +38,19 @@ void fused_adam_cpu_op(at::TensorList params, at::TensorList grads, at::TensorLi
   fused_adam_cpu(arrays.view(), h, at::get_num_threads());
 }
 
+void launch_cast_cpu(const CastList& l, const at::Tensor&) { cast_copy_cpu(l, at::get_num_threads()); }
+
+at::Tensor flatten_cpu(at::TensorList tensors, at::ScalarType dtype, at::OptionalIntArrayRef offsets,
+                       std::optional<int64_t> numel) {
+  return flatten_impl(tensors, dtype, offsets, numel, launch_cast_cpu);
+}
+std::vector<at::Tensor> unflatten_cpu(const at::Tensor& flat, at::TensorList like, at::OptionalIntArrayRef offsets) {
+  return unflatten_impl(flat, like, offsets, launch_cast_cpu);
+}
+void unflatten_into_cpu(const at::Tensor& flat, at::TensorList targets, at::OptionalIntArrayRef offsets) {
+  unflatten_into_impl(flat, targets, offsets, launch_cast_cpu);
+}
+
 std::string cpu_capability_op() { return cpu_capability(); }
 
 // For bench/: the bandwidth roof of fused_adam_ on these tensors (see stream_roof_cpu).
@@ -52,6 +67,9 @@ void stream_roof_op(at::TensorList params, at::TensorList grads, at::TensorList 
 
 TORCH_LIBRARY(zerokern, m) {
   m.def(kFusedAdamSchema);
+  m.def(kFlattenSchema);
+  m.def(kUnflattenSchema);
+  m.def(kUnflattenIntoSchema);
   m.def("cpu_capability() -> str", &cpu_capability_op);
   m.def("stream_roof_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
         "Tensor(d!)[] model_params) -> ()");
@@ -60,6 +78,9 @@ TORCH_LIBRARY(zerokern, m) {
 TORCH_LIBRARY_IMPL(zerokern, CPU, m) {
   m.impl("fused_adam_", &fused_adam_cpu_op);
   m.impl("stream_roof_", &stream_roof_op);
+  m.impl("flatten", &flatten_cpu);
+  m.impl("unflatten", &unflatten_cpu);
+  m.impl("unflatten_into_", &unflatten_into_cpu);
 }
 
 }  // namespace zerokern

@@ -7,7 +7,9 @@
 #include <torch/library.h>
 
 #include "adam_args.h"
+#include "flat_ops.h"
 #include "zerokern/adam.h"
+#include "zerokern/cast.h"
 
 namespace zerokern {
 namespace {
@@ -30,9 +32,31 @@ void fused_adam_cuda_op(at::TensorList params, at::TensorList grads, at::TensorL
   TORCH_CHECK(err == 0, "zerokern fused_adam_ launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(err)));
 }
 
+void launch_cast_cuda(const CastList& l, const at::Tensor& device_of) {
+  const c10::cuda::CUDAGuard guard(device_of.device());
+  const int err = cast_copy_cuda(l, at::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == 0, "zerokern cast_copy launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(err)));
+}
+
+at::Tensor flatten_cuda(at::TensorList tensors, at::ScalarType dtype, at::OptionalIntArrayRef offsets,
+                        std::optional<int64_t> numel) {
+  return flatten_impl(tensors, dtype, offsets, numel, launch_cast_cuda);
+}
+std::vector<at::Tensor> unflatten_cuda(const at::Tensor& flat, at::TensorList like, at::OptionalIntArrayRef offsets) {
+  return unflatten_impl(flat, like, offsets, launch_cast_cuda);
+}
+void unflatten_into_cuda(const at::Tensor& flat, at::TensorList targets, at::OptionalIntArrayRef offsets) {
+  unflatten_into_impl(flat, targets, offsets, launch_cast_cuda);
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(zerokern, CUDA, m) { m.impl("fused_adam_", &fused_adam_cuda_op); }
+TORCH_LIBRARY_IMPL(zerokern, CUDA, m) {
+  m.impl("fused_adam_", &fused_adam_cuda_op);
+  m.impl("flatten", &flatten_cuda);
+  m.impl("unflatten", &unflatten_cuda);
+  m.impl("unflatten_into_", &unflatten_into_cuda);
+}
 
 }  // namespace zerokern
 

@@ -25,3 +25,19 @@ def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, model_params, h: AdamHyper
         lr=lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay, step=step,
         adam_w_mode=h.adam_w_mode, bias_correction=h.bias_correction, grad_scale=scale,
         lr_tensor=lr_t, step_tensor=step_t, grad_scale_tensor=scale_t, found_inf=h.found_inf)
+
+
+def _int_list(offsets):
+    return None if offsets is None else [int(o) for o in offsets]
+
+
+def flatten(tensors, dtype, offsets, numel):
+    return torch.ops.zerokern.flatten(tensors, dtype, _int_list(offsets), numel)
+
+
+def unflatten(flat, like, offsets):
+    return torch.ops.zerokern.unflatten(flat, like, _int_list(offsets))
+
+
+def unflatten_into(flat, targets, offsets):
+    torch.ops.zerokern.unflatten_into_(flat, targets, _int_list(offsets))

@@ -73,7 +73,7 @@ BACKENDS = {
     b.name: b
     for b in (
         Backend("cuda", "native", lambda: ("cuda",), _cuda_why_not, "C++/CUDA extension (zerokern._C_cuda)"),
-        Backend("triton", "triton_adam",
+        Backend("triton", "triton_ops",
                 lambda: ("cuda", "cpu") if _interpreting() else ("cuda",),
                 _triton_why_not, "Triton kernels, compiled at run time"),
         Backend("cpu", "native", lambda: ("cpu",), _cpu_why_not, "C++ SIMD + OpenMP extension (zerokern._C)"),

@@ -7,7 +7,7 @@ hyper-parameters on the host (a sync), which the kernels avoid.
 
 import torch
 
-from .._checks import check_adam_args
+from .._checks import check_adam_args, check_flatten_args, check_unflatten_args
 from .hyper import AdamHyper, coefficients
 
 
@@ -30,3 +30,25 @@ def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, model_params, h: AdamHyper
             p.addcdiv_(m, denom, value=-step_size)
             if model_params:
                 model_params[i].copy_(p)
+
+
+def flatten(tensors, dtype, offsets, numel):
+    off, size, gaps = check_flatten_args(tensors, dtype, offsets, numel)
+    if not gaps:
+        return torch.cat([t.reshape(-1).to(dtype) for t in tensors])
+    flat = torch.zeros(size, dtype=dtype, device=tensors[0].device)
+    for t, o in zip(tensors, off):
+        flat[o:o + t.numel()].copy_(t.reshape(-1))
+    return flat
+
+
+def unflatten(flat, like, offsets):
+    off = check_unflatten_args(flat, like, "like", offsets)
+    return [flat[o:o + t.numel()].view(t.shape).to(t.dtype, copy=True) for t, o in zip(like, off)]
+
+
+def unflatten_into(flat, targets, offsets):
+    off = check_unflatten_args(flat, targets, "targets", offsets)
+    with torch.no_grad():
+        for t, o in zip(targets, off):
+            t.copy_(flat[o:o + t.numel()].view(t.shape))

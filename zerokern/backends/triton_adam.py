@@ -2,15 +2,9 @@
 
 Multi-tensor without one launch per tensor: the tensors of a call are grouped
 by (grad dtype, model dtype); each group is one launch over the tiles of all
-its tensors. A program finds its tensor by binary search over the tiles'
-prefix sums and its pointers in an int64 table, so a GPT-sized list of
-hundreds of tensors is one or two launches. The table is built on the host and
-copied to the device per call (unlike the CUDA backend, so this path is not
-CUDA-graph capturable). On a machine without a GPU it runs under
-TRITON_INTERPRET=1 on CPU tensors (tests only: slow).
+its tensors (see triton_common.TileBatch). On a machine without a GPU it runs
+under TRITON_INTERPRET=1 on CPU tensors (tests only: slow).
 """
-
-import math
 
 import torch
 import triton
@@ -18,9 +12,9 @@ import triton.language as tl
 
 from .._checks import check_adam_args
 from .hyper import AdamHyper, coefficients
+from .triton_common import TL_DTYPE, TileBatch, find_tensor, group_nonempty, to_bf16_rne
 
 BLOCK = 1024
-_TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 @triton.jit
@@ -33,15 +27,7 @@ def _adam_kernel(
     SEARCH_STEPS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     tile = tl.program_id(0).to(tl.int64)
-    # Which tensor holds this tile: first_tile[t] <= tile < first_tile[t + 1].
-    lo = tl.zeros((), tl.int32)
-    hi = n_tensors - 1
-    for _ in tl.static_range(SEARCH_STEPS):
-        mid = (lo + hi + 1) // 2
-        go = tl.load(first_tile_ptr + mid) <= tile
-        lo = tl.where(go, mid, lo)
-        hi = tl.where(go, hi, mid - 1)
-    t = lo
+    t = find_tensor(first_tile_ptr, n_tensors, tile, SEARCH_STEPS)
     numel = tl.load(numel_ptr + t)
     offs = (tile - tl.load(first_tile_ptr + t)) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
@@ -77,24 +63,9 @@ def _adam_kernel(
     if HAS_OUT:
         o_ptr = tl.load(table_ptr + 4 * n_tensors + t).to(tl.pointer_type(OUT_T))
         if OUT_T == tl.bfloat16:
-            # Round to nearest even by hand: same bits as torch's .to(bfloat16)
-            # everywhere, including under TRITON_INTERPRET, whose cast truncates.
-            bits = p.to(tl.uint32, bitcast=True)
-            r = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-            r = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, r)
-            tl.store(o_ptr + offs, r.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+            tl.store(o_ptr + offs, to_bf16_rne(p), mask=mask)
         else:
             tl.store(o_ptr + offs, p.to(OUT_T), mask=mask)
-
-
-def _groups(params, grads, model_params):
-    """Indices of non-empty tensors keyed by (grad dtype, model dtype)."""
-    groups = {}
-    for i, p in enumerate(params):
-        if p.numel():
-            key = (grads[i].dtype, model_params[i].dtype if model_params else None)
-            groups.setdefault(key, []).append(i)
-    return groups
 
 
 def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, model_params, h: AdamHyper):
@@ -103,24 +74,16 @@ def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, model_params, h: AdamHyper
     coef = coefficients(h)
     on_device = isinstance(coef, torch.Tensor)
     l2 = 0.0 if h.adam_w_mode else h.weight_decay
-    for (gdt, odt), idx in _groups(params, grads, model_params).items():
+    keys = [(g.dtype, model_params[i].dtype if model_params else None) for i, g in enumerate(grads)]
+    for (gdt, odt), idx in group_nonempty(params, keys).items():
         lists = [params, grads, exp_avgs, exp_avg_sqs] + ([model_params] if odt is not None else [])
-        table = [lst[i].data_ptr() for lst in lists for i in idx]
-        numel = [params[i].numel() for i in idx]
-        first_tile = [0]
-        for n in numel:
-            first_tile.append(first_tile[-1] + triton.cdiv(n, BLOCK))
-        meta = torch.tensor(table + first_tile + numel, dtype=torch.int64).to(device, non_blocking=True)
-        k = len(idx)
-        table_t = meta[: len(table)]
-        first_t = meta[len(table): len(table) + k + 1]
-        numel_t = meta[len(table) + k + 1:]
-        dummy = meta  # stands in for absent pointer arguments (never read)
-        _adam_kernel[(first_tile[-1],)](
-            table_t, first_t, numel_t, k,
+        b = TileBatch([[lst[i] for i in idx] for lst in lists], BLOCK, device)
+        dummy = b.table  # stands in for absent pointer arguments (never read)
+        _adam_kernel[(b.tiles,)](
+            b.table, b.first_tile, b.numel, b.count,
             coef if on_device else dummy, h.found_inf if h.found_inf is not None else dummy,
             *((1.0, 1.0, 1.0, 1.0) if on_device else coef), h.beta1, h.beta2, 1.0 - h.beta1, 1.0 - h.beta2, h.eps, l2,
-            GRAD_T=_TL[gdt], OUT_T=_TL[odt] if odt is not None else tl.float16, HAS_OUT=odt is not None,
+            GRAD_T=TL_DTYPE[gdt], OUT_T=TL_DTYPE[odt] if odt is not None else tl.float16, HAS_OUT=odt is not None,
             COEF_PTR=on_device, FOUND_INF=h.found_inf is not None,
-            SEARCH_STEPS=max(1, math.ceil(math.log2(k))) if k > 1 else 0, BLOCK=BLOCK,
+            SEARCH_STEPS=b.search_steps, BLOCK=BLOCK,
         )

@@ -21,6 +21,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "zerokern/dtype.h"
+
 #if defined(__CUDACC__)
 #define ZK_HOST_DEVICE __host__ __device__ __forceinline__
 #else
@@ -28,9 +30,6 @@
 #endif
 
 namespace zerokern {
-
-// Element types a grad or a model (low-precision) param may have.
-enum class DType : uint8_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kNone = 3 };
 
 // Hyper-parameters of one call, as the caller gave them. lr, step and
 // grad_scale may instead come from one-element device tensors (the *_ptr

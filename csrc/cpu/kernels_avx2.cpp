@@ -1,13 +1,17 @@
-// The Adam loop for the avx2 variant; see adam_isa.inc.
+// The CPU kernels (adam_isa.inc, cast_isa.inc) for the avx2 variant.
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
-#include "adam_cpu.h"
+#include "kernels_cpu.h"
 #include "zerokern/adam.h"
+#include "zerokern/cast.h"
 #include "zerokern/half_bits.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #pragma GCC target("avx2,fma,f16c,bmi2")
 #endif
 #define ZK_ISA avx2
+#include "dtypes.inc"
 #include "adam_isa.inc"
+#include "cast_isa.inc"

@@ -1,0 +1,33 @@
+// flatten / unflatten / unflatten_into_: validation, allocation and the split
+// between the multi-tensor cast kernel (contiguous tensors, one launch) and
+// torch's strided copy (non-contiguous ones, one pass each). Device-agnostic:
+// the CPU and CUDA bindings pass in their kernel launcher.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <vector>
+
+#include "zerokern/cast.h"
+
+namespace zerokern {
+
+inline constexpr const char* kFlattenSchema =
+    "flatten(Tensor[] tensors, ScalarType dtype, int[]? offsets=None, int? numel=None) -> Tensor";
+inline constexpr const char* kUnflattenSchema =
+    "unflatten(Tensor flat, Tensor[] like, int[]? offsets=None) -> Tensor[]";
+inline constexpr const char* kUnflattenIntoSchema =
+    "unflatten_into_(Tensor flat, Tensor(a!)[] targets, int[]? offsets=None) -> ()";
+
+// Runs the cast kernel on `list`, on the device of `device_of`.
+using CastLauncher = void (*)(const CastList& list, const at::Tensor& device_of);
+
+at::Tensor flatten_impl(at::TensorList tensors, at::ScalarType dtype, at::OptionalIntArrayRef offsets,
+                        std::optional<int64_t> numel, CastLauncher launch);
+std::vector<at::Tensor> unflatten_impl(const at::Tensor& flat, at::TensorList like, at::OptionalIntArrayRef offsets,
+                                       CastLauncher launch);
+void unflatten_into_impl(const at::Tensor& flat, at::TensorList targets, at::OptionalIntArrayRef offsets,
+                         CastLauncher launch);
+
+}  // namespace zerokern

@@ -1,0 +1,67 @@
+"""Multi-tensor plumbing shared by the Triton kernels.
+
+A launch covers a batch of tensors: their data pointers go in an int64 table,
+each tensor is cut into tiles of BLOCK elements, and a program finds its
+tensor by binary search over the tiles' prefix sums (find_tensor). The table
+is built on the host and copied to the device per call, so unlike the CUDA
+backend this path cannot be captured in a CUDA graph.
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def group_nonempty(tensors, keys):
+    """{key: [indices]} of the non-empty tensors, grouped by keys[i] (a dtype pair: one launch each)."""
+    groups = {}
+    for i, (t, key) in enumerate(zip(tensors, keys)):
+        if t.numel():
+            groups.setdefault(key, []).append(i)
+    return groups
+
+
+class TileBatch:
+    """Device tables for one launch over `lists` (each a list of tensors of
+    equal sizes, index-aligned): table[j * count + i] is lists[j][i]'s pointer."""
+
+    def __init__(self, lists, block, device):
+        numel = [t.numel() for t in lists[0]]
+        first_tile = [0]
+        for n in numel:
+            first_tile.append(first_tile[-1] + triton.cdiv(n, block))
+        table = [t.data_ptr() for lst in lists for t in lst]
+        meta = torch.tensor(table + first_tile + numel, dtype=torch.int64).to(device, non_blocking=True)
+        self.count = len(numel)
+        self.tiles = first_tile[-1]
+        self.table = meta[: len(table)]
+        self.first_tile = meta[len(table): len(table) + self.count + 1]
+        self.numel = meta[len(table) + self.count + 1:]
+        self.search_steps = math.ceil(math.log2(self.count)) if self.count > 1 else 0
+
+
+@triton.jit
+def find_tensor(first_tile_ptr, n_tensors, tile, SEARCH_STEPS: tl.constexpr):
+    """t with first_tile[t] <= tile < first_tile[t + 1]."""
+    lo = tl.zeros((), tl.int32)
+    hi = n_tensors - 1
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo + hi + 1) // 2
+        go = tl.load(first_tile_ptr + mid) <= tile
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def to_bf16_rne(x):
+    """fp32 -> bf16 rounded to nearest even by hand: the same bits as torch's
+    .to(bfloat16) everywhere, including under TRITON_INTERPRET, whose cast truncates."""
+    bits = x.to(tl.uint32, bitcast=True)
+    r = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    r = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, r)
+    return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)

@@ -1,0 +1,71 @@
+"""Triton flatten / unflatten: one multi-tensor cast-copy launch per
+(src dtype, dst dtype) pair (see triton_common.TileBatch); non-contiguous
+tensors take torch's strided copy instead."""
+
+import torch
+import triton
+import triton.language as tl
+
+from .._checks import check_flatten_args, check_unflatten_args
+from .triton_common import TL_DTYPE, TileBatch, find_tensor, group_nonempty, to_bf16_rne
+
+BLOCK = 2048
+
+
+@triton.jit
+def _cast_kernel(table_ptr, first_tile_ptr, numel_ptr, n_tensors,
+                 SRC_T: tl.constexpr, DST_T: tl.constexpr, SEARCH_STEPS: tl.constexpr, BLOCK: tl.constexpr):
+    tile = tl.program_id(0).to(tl.int64)
+    t = find_tensor(first_tile_ptr, n_tensors, tile, SEARCH_STEPS)
+    offs = (tile - tl.load(first_tile_ptr + t)) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < tl.load(numel_ptr + t)
+    src = tl.load(table_ptr + t).to(tl.pointer_type(SRC_T))
+    dst = tl.load(table_ptr + n_tensors + t).to(tl.pointer_type(DST_T))
+    x = tl.load(src + offs, mask=mask)
+    if SRC_T == DST_T:
+        y = x
+    elif DST_T == tl.bfloat16:
+        y = to_bf16_rne(x.to(tl.float32))
+    else:
+        y = x.to(DST_T)
+    tl.store(dst + offs, y, mask=mask)
+
+
+def _copy(flat, tensors, offsets, to_flat):
+    """Contiguous tensors ride in one launch per dtype pair; the others take torch's strided copy."""
+    fast = []
+    for t, o in zip(tensors, offsets):
+        if t.numel() == 0:
+            continue
+        view = flat[o:o + t.numel()]
+        if t.is_contiguous():
+            fast.append((t, view))
+        elif to_flat:
+            view.view(t.shape).copy_(t)
+        else:
+            t.copy_(view.view(t.shape))
+    srcs = [t if to_flat else v for t, v in fast]
+    dsts = [v if to_flat else t for t, v in fast]
+    for (sdt, ddt), idx in group_nonempty(srcs, [(s.dtype, d.dtype) for s, d in zip(srcs, dsts)]).items():
+        b = TileBatch([[srcs[i] for i in idx], [dsts[i] for i in idx]], BLOCK, flat.device)
+        _cast_kernel[(b.tiles,)](b.table, b.first_tile, b.numel, b.count, SRC_T=TL_DTYPE[sdt], DST_T=TL_DTYPE[ddt],
+                                 SEARCH_STEPS=b.search_steps, BLOCK=BLOCK)
+
+
+def flatten(tensors, dtype, offsets, numel):
+    off, size, gaps = check_flatten_args(tensors, dtype, offsets, numel)
+    flat = (torch.zeros if gaps else torch.empty)(size, dtype=dtype, device=tensors[0].device)
+    _copy(flat, tensors, off, to_flat=True)
+    return flat
+
+
+def unflatten(flat, like, offsets):
+    off = check_unflatten_args(flat, like, "like", offsets)
+    out = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in like]
+    _copy(flat, out, off, to_flat=False)
+    return out
+
+
+def unflatten_into(flat, targets, offsets):
+    off = check_unflatten_args(flat, targets, "targets", offsets)
+    _copy(flat, targets, off, to_flat=False)

@@ -29,7 +29,7 @@ grep -E "^zerokern:" "$out/build.log"
 
 $py -m pytest -q -rs tests -x --junitxml="$out/tests.xml" 2>&1 | tee "$out/tests.log" | tail -15 || status=1
 
-for b in bench/adam_throughput.py; do
+for b in bench/adam_throughput.py bench/flatten_throughput.py; do
   name=$(basename "$b" .py)
   $py "$b" --budget 0.5 --json "$out/$name.json" --plot "$out/$name.png" 2>&1 | tee "$out/$name.log" | grep -v "it/s\|case/s" || status=1
 done

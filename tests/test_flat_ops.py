@@ -180,3 +180,22 @@ def test_opcheck_flat_ops(device):
     torch.library.opcheck(torch.ops.zerokern.unflatten.default, (flat, tensors))
     targets = [torch.empty_like(t) for t in tensors]
     torch.library.opcheck(torch.ops.zerokern.unflatten_into_.default, (flat, targets))
+    torch.library.opcheck(torch.ops.zerokern.flatten_into_.default, (tensors, flat))
+
+
+@pytest.mark.parametrize("backend", ALL)
+@pytest.mark.parametrize("out_dtype", FLOATS)
+def test_flatten_into_existing_buffer(backend, out_dtype):
+    device = device_for(backend)
+    tensors = make(SIZES, torch.bfloat16, device)
+    out = torch.full((sum(t.numel() for t in tensors),), 7.0, device=device, dtype=out_dtype)
+    assert ops.flatten(tensors, out=out, backend=backend) is out
+    assert torch.equal(out, ops.flatten(tensors, out_dtype, backend="torch"))
+    # with offsets the gaps keep what they held
+    gapped = torch.full((12,), 7.0, device=device, dtype=out_dtype)
+    ops.flatten([torch.ones(2, device=device), torch.ones(3, device=device)], out=gapped, offsets=[1, 8],
+                backend=backend)
+    assert gapped.tolist() == [7, 1, 1, 7, 7, 7, 7, 7, 1, 1, 1, 7]
+    with pytest.raises(ValueError, match=r"^out has 4 elements, the tensors hold 5"):
+        ops.flatten([torch.ones(2, device=device), torch.ones(3, device=device)],
+                    out=torch.empty(4, device=device), backend=backend)

@@ -114,13 +114,13 @@ def check_flat_list(tensors, name, ref, ref_name):
             raise ValueError(f"{name}[{i}] is on {t.device}, {ref_name} is on {ref.device}")
 
 
-def check_flat(flat):
+def check_flat(flat, name="flat"):
     if not isinstance(flat, torch.Tensor):
-        raise TypeError(f"flat is {type(flat).__name__}, expected a tensor")
+        raise TypeError(f"{name} is {type(flat).__name__}, expected a tensor")
     if flat.dtype not in _KERNEL_FLOATS:
-        raise TypeError(f"flat is {dtype_name(flat.dtype)}, expected float32, float16 or bfloat16")
+        raise TypeError(f"{name} is {dtype_name(flat.dtype)}, expected float32, float16 or bfloat16")
     if flat.dim() != 1 or not flat.is_contiguous():
-        raise ValueError(f"flat must be a 1-D contiguous tensor, got shape {list(flat.shape)}"
+        raise ValueError(f"{name} must be a 1-D contiguous tensor, got shape {list(flat.shape)}"
                          + ("" if flat.is_contiguous() else " (not contiguous)"))
 
 
@@ -147,12 +147,12 @@ def resolve_offsets(tensors, name, offsets):
     return offsets
 
 
-def check_fits(flat, tensors, name, offsets, packed):
+def check_fits(flat, tensors, name, offsets, packed, flat_name="flat"):
     need = offsets[-1] + tensors[-1].numel() if tensors else 0
     if packed and flat.numel() != need:
-        raise ValueError(f"flat has {flat.numel()} elements, the {name} hold {need}")
+        raise ValueError(f"{flat_name} has {flat.numel()} elements, the {name} hold {need}")
     if not packed and flat.numel() < need:
-        raise ValueError(f"{name}[{len(tensors) - 1}] ends at element {need}, past flat's {flat.numel()}")
+        raise ValueError(f"{name}[{len(tensors) - 1}] ends at element {need}, past {flat_name}'s {flat.numel()}")
 
 
 def check_flatten_args(tensors, dtype, offsets, numel):
@@ -170,9 +170,10 @@ def check_flatten_args(tensors, dtype, offsets, numel):
     return off, size, size != need or offsets is not None
 
 
-def check_unflatten_args(flat, tensors, name, offsets):
-    check_flat(flat)
-    check_flat_list(tensors, name, flat, "flat")
+def check_unflatten_args(flat, tensors, name, offsets, flat_name="flat"):
+    """Also serves flatten_into (flat_name="out", name="tensors")."""
+    check_flat(flat, flat_name)
+    check_flat_list(tensors, name, flat, flat_name)
     off = resolve_offsets(tensors, name, offsets)
-    check_fits(flat, tensors, name, off, offsets is None)
+    check_fits(flat, tensors, name, off, offsets is None, flat_name)
     return off

@@ -52,6 +52,10 @@ if cpu_error is None:
                 numel = offsets[-1] + tensors[-1].numel()
         return tensors[0].new_empty((numel,), dtype=dtype)
 
+    @torch.library.register_fake("zerokern::flatten_into_")
+    def _flatten_into_fake(tensors, out, offsets=None):
+        return None
+
     @torch.library.register_fake("zerokern::unflatten")
     def _unflatten_fake(flat, like, offsets=None):
         return [t.new_empty(t.shape) for t in like]

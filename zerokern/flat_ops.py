@@ -23,10 +23,21 @@ from .backends.registry import resolve
 
 def flatten(tensors: Sequence[torch.Tensor], dtype: Optional[torch.dtype] = None, *,
             offsets: Optional[Sequence[int]] = None, numel: Optional[int] = None,
-            backend: str = "auto") -> torch.Tensor:
+            out: Optional[torch.Tensor] = None, backend: str = "auto") -> torch.Tensor:
     """All elements of `tensors`, in order, in one new 1-D contiguous tensor of
-    `dtype` (default: tensors[0]'s dtype), of `numel` elements (default: just enough)."""
+    `dtype` (default: tensors[0]'s dtype), of `numel` elements (default: just enough).
+
+    out: an existing 1-D buffer to write instead (its dtype wins; its gaps are
+    left untouched). Reusing a buffer avoids the cost of a fresh allocation's
+    first touch, which on CPUs exceeds the copy itself for large buffers."""
     tensors = list(tensors)
+    if out is not None:
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out is {type(out).__name__}, expected a tensor")
+        if dtype is not None and dtype != out.dtype:
+            raise TypeError(f"dtype is {dtype}, out is {out.dtype}")
+        resolve(backend, out.device).flatten_into(tensors, out, offsets)
+        return out
     if not tensors:
         resolve(backend, torch.device("cpu"))
         return torch.zeros(numel or 0, dtype=dtype or torch.float32)

@@ -50,11 +50,11 @@ void check_list(at::TensorList tensors, const char* list, const at::Tensor& ref,
   }
 }
 
-void check_flat(const at::Tensor& flat) {
-  TORCH_CHECK_TYPE(flat.defined(), "flat is None");
-  TORCH_CHECK_TYPE(is_kernel_float(flat.scalar_type()), "flat is ", dtype_name(flat.scalar_type()),
+void check_flat(const at::Tensor& flat, const char* name = "flat") {
+  TORCH_CHECK_TYPE(flat.defined(), name, " is None");
+  TORCH_CHECK_TYPE(is_kernel_float(flat.scalar_type()), name, " is ", dtype_name(flat.scalar_type()),
                    ", expected float32, float16 or bfloat16");
-  TORCH_CHECK_VALUE(flat.dim() == 1 && flat.is_contiguous(), "flat must be a 1-D contiguous tensor, got shape ",
+  TORCH_CHECK_VALUE(flat.dim() == 1 && flat.is_contiguous(), name, " must be a 1-D contiguous tensor, got shape ",
                     flat.sizes(), flat.is_contiguous() ? "" : " (not contiguous)");
 }
 
@@ -115,14 +115,23 @@ at::Tensor flatten_impl(at::TensorList tensors, at::ScalarType dtype, at::Option
 }
 
 static void check_fits(const at::Tensor& flat, at::TensorList tensors, const char* list,
-                       const std::vector<int64_t>& off, bool packed) {
+                       const std::vector<int64_t>& off, bool packed, const char* name = "flat") {
   const int64_t need = end_of(tensors, off);
   if (packed) {
-    TORCH_CHECK_VALUE(flat.numel() == need, "flat has ", flat.numel(), " elements, the ", list, " hold ", need);
+    TORCH_CHECK_VALUE(flat.numel() == need, name, " has ", flat.numel(), " elements, the ", list, " hold ", need);
   } else {
     TORCH_CHECK_VALUE(flat.numel() >= need, list, "[", tensors.size() - 1, "] ends at element ", need,
-                      ", past flat's ", flat.numel());
+                      ", past ", name, "'s ", flat.numel());
   }
+}
+
+void flatten_into_impl(at::TensorList tensors, const at::Tensor& out, at::OptionalIntArrayRef offsets,
+                       CastLauncher launch) {
+  check_flat(out, "out");
+  check_list(tensors, "tensors", out, "out");
+  const std::vector<int64_t> off = resolve_offsets(tensors, "tensors", offsets);
+  check_fits(out, tensors, "tensors", off, !offsets.has_value(), "out");
+  copy_all(out, tensors, off, /*to_flat=*/true, launch);
 }
 
 std::vector<at::Tensor> unflatten_impl(const at::Tensor& flat, at::TensorList like, at::OptionalIntArrayRef offsets,

@@ -15,6 +15,8 @@ namespace zerokern {
 
 inline constexpr const char* kFlattenSchema =
     "flatten(Tensor[] tensors, ScalarType dtype, int[]? offsets=None, int? numel=None) -> Tensor";
+inline constexpr const char* kFlattenIntoSchema =
+    "flatten_into_(Tensor[] tensors, Tensor(a!) out, int[]? offsets=None) -> ()";
 inline constexpr const char* kUnflattenSchema =
     "unflatten(Tensor flat, Tensor[] like, int[]? offsets=None) -> Tensor[]";
 inline constexpr const char* kUnflattenIntoSchema =
@@ -25,6 +27,10 @@ using CastLauncher = void (*)(const CastList& list, const at::Tensor& device_of)
 
 at::Tensor flatten_impl(at::TensorList tensors, at::ScalarType dtype, at::OptionalIntArrayRef offsets,
                         std::optional<int64_t> numel, CastLauncher launch);
+// Into an existing buffer: no allocation (a fresh buffer's first touch, page
+// faults and zeroing by the OS, costs more than the copy on CPUs). Gaps are left as they are.
+void flatten_into_impl(at::TensorList tensors, const at::Tensor& out, at::OptionalIntArrayRef offsets,
+                       CastLauncher launch);
 std::vector<at::Tensor> unflatten_impl(const at::Tensor& flat, at::TensorList like, at::OptionalIntArrayRef offsets,
                                        CastLauncher launch);
 void unflatten_into_impl(const at::Tensor& flat, at::TensorList targets, at::OptionalIntArrayRef offsets,

@@ -44,6 +44,9 @@ at::Tensor flatten_cpu(at::TensorList tensors, at::ScalarType dtype, at::Optiona
                        std::optional<int64_t> numel) {
   return flatten_impl(tensors, dtype, offsets, numel, launch_cast_cpu);
 }
+void flatten_into_cpu(at::TensorList tensors, const at::Tensor& out, at::OptionalIntArrayRef offsets) {
+  flatten_into_impl(tensors, out, offsets, launch_cast_cpu);
+}
 std::vector<at::Tensor> unflatten_cpu(const at::Tensor& flat, at::TensorList like, at::OptionalIntArrayRef offsets) {
   return unflatten_impl(flat, like, offsets, launch_cast_cpu);
 }
@@ -68,6 +71,7 @@ void stream_roof_op(at::TensorList params, at::TensorList grads, at::TensorList 
 TORCH_LIBRARY(zerokern, m) {
   m.def(kFusedAdamSchema);
   m.def(kFlattenSchema);
+  m.def(kFlattenIntoSchema);
   m.def(kUnflattenSchema);
   m.def(kUnflattenIntoSchema);
   m.def("cpu_capability() -> str", &cpu_capability_op);
@@ -79,6 +83,7 @@ TORCH_LIBRARY_IMPL(zerokern, CPU, m) {
   m.impl("fused_adam_", &fused_adam_cpu_op);
   m.impl("stream_roof_", &stream_roof_op);
   m.impl("flatten", &flatten_cpu);
+  m.impl("flatten_into_", &flatten_into_cpu);
   m.impl("unflatten", &unflatten_cpu);
   m.impl("unflatten_into_", &unflatten_into_cpu);
 }

@@ -42,6 +42,9 @@ at::Tensor flatten_cuda(at::TensorList tensors, at::ScalarType dtype, at::Option
                         std::optional<int64_t> numel) {
   return flatten_impl(tensors, dtype, offsets, numel, launch_cast_cuda);
 }
+void flatten_into_cuda(at::TensorList tensors, const at::Tensor& out, at::OptionalIntArrayRef offsets) {
+  flatten_into_impl(tensors, out, offsets, launch_cast_cuda);
+}
 std::vector<at::Tensor> unflatten_cuda(const at::Tensor& flat, at::TensorList like, at::OptionalIntArrayRef offsets) {
   return unflatten_impl(flat, like, offsets, launch_cast_cuda);
 }
@@ -54,6 +57,7 @@ void unflatten_into_cuda(const at::Tensor& flat, at::TensorList targets, at::Opt
 TORCH_LIBRARY_IMPL(zerokern, CUDA, m) {
   m.impl("fused_adam_", &fused_adam_cuda_op);
   m.impl("flatten", &flatten_cuda);
+  m.impl("flatten_into_", &flatten_into_cuda);
   m.impl("unflatten", &unflatten_cuda);
   m.impl("unflatten_into_", &unflatten_into_cuda);
 }

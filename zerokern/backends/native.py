@@ -35,6 +35,10 @@ def flatten(tensors, dtype, offsets, numel):
     return torch.ops.zerokern.flatten(tensors, dtype, _int_list(offsets), numel)
 
 
+def flatten_into(tensors, out, offsets):
+    torch.ops.zerokern.flatten_into_(tensors, out, _int_list(offsets))
+
+
 def unflatten(flat, like, offsets):
     return torch.ops.zerokern.unflatten(flat, like, _int_list(offsets))
 

@@ -42,6 +42,13 @@ def flatten(tensors, dtype, offsets, numel):
     return flat
 
 
+def flatten_into(tensors, out, offsets):
+    off = check_unflatten_args(out, tensors, "tensors", offsets, flat_name="out")
+    with torch.no_grad():
+        for t, o in zip(tensors, off):
+            out[o:o + t.numel()].copy_(t.reshape(-1))
+
+
 def unflatten(flat, like, offsets):
     off = check_unflatten_args(flat, like, "like", offsets)
     return [flat[o:o + t.numel()].view(t.shape).to(t.dtype, copy=True) for t, o in zip(like, off)]

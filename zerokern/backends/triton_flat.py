@@ -59,6 +59,11 @@ def flatten(tensors, dtype, offsets, numel):
     return flat
 
 
+def flatten_into(tensors, out, offsets):
+    off = check_unflatten_args(out, tensors, "tensors", offsets, flat_name="out")
+    _copy(out, tensors, off, to_flat=True)
+
+
 def unflatten(flat, like, offsets):
     off = check_unflatten_args(flat, like, "like", offsets)
     out = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in like]

@@ -1,0 +1,104 @@
+"""The planner against the ZeRO paper and against numbers worked out by hand."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from zerokern.plan import from_model, plan, transformer_params
+from zerokern.plan.cli import main
+
+GB = 1e9
+
+
+def test_zero_paper_figure_1():
+    """7.5B params, 64 GPUs, mixed-precision Adam (K = 12): 120, 31.4, 16.6, 1.9 GB per GPU."""
+    p = plan(7.5e9, dp=64)
+    totals = [round(s.total_bytes / GB, 1) for s in p.stages]
+    assert totals == [120.0, 31.4, 16.6, 1.9]
+    assert p.smallest_fitting_stage == 1  # at the default 80 GB
+
+
+def test_65b_tp8_pp8_dp4_zero1_by_hand():
+    # h = 8192, f = 4h = 32768, 80 layers, vocab 32000, tp = 8, pp = 8, dp = 4.
+    # Whole model: 80 * (12h^2 + 13h) + vocab*h + 2h
+    #   12h^2 = 805,306,368; 13h = 106,496; per layer 805,412,864; x80 = 64,433,029,120
+    #   vocab*h = 262,144,000; 2h = 16,384  -> 64,695,189,504
+    # Per GPU, last pipeline stage (10 layers):
+    #   per layer: (4h^2 + 2hf + 3h + f) / tp + 6h
+    #     4h^2 = 268,435,456; 2hf = 536,870,912; 3h = 24,576; f = 32,768 -> 805,363,712; /8 = 100,670,464
+    #     + 6h = 49,152 -> 100,719,616; x10 layers = 1,007,196,160
+    #   embedding (tied output layer) 32000/8 * 8192 = 32,768,000; final LayerNorm 2h = 16,384
+    #   -> 1,039,980,544 params = P
+    # ZeRO-1, bf16: params 2P, grads 2P, master 4P/dp = P, Adam 8P/dp = 2P -> 7P bytes
+    #   = 7,279,863,808 bytes = 7.28 GB
+    # Communication: 2 * P * 2 bytes * (dp-1)/dp = 3P = 3,119,941,632 bytes
+    p = plan(layers=80, hidden=8192, heads=64, vocab=32000, tp=8, pp=8, dp=4)
+    assert p.params_total == 64_695_189_504
+    assert p.params_per_gpu == 1_039_980_544
+    s1 = p.stages[1]
+    assert s1.params_bytes == 2 * 1_039_980_544 and s1.grads_bytes == 2 * 1_039_980_544
+    assert s1.master_bytes == 1_039_980_544 and s1.adam_bytes == 2 * 1_039_980_544
+    assert s1.total_bytes == 7_279_863_808
+    assert s1.comm_bytes == 3_119_941_632
+    assert p.pipeline_bubble == pytest.approx(7 / 8)  # one micro-batch, 8 stages
+
+
+def test_transformer_formula_matches_a_real_module():
+    """The parameter formula against torch's count for the same GPT-style stack."""
+    h, layers, vocab = 32, 3, 50
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = torch.nn.LayerNorm(h), torch.nn.LayerNorm(h)
+            self.qkv, self.proj = torch.nn.Linear(h, 3 * h), torch.nn.Linear(h, h)
+            self.fc1, self.fc2 = torch.nn.Linear(h, 4 * h), torch.nn.Linear(4 * h, h)
+
+    model = torch.nn.ModuleDict({"emb": torch.nn.Embedding(vocab, h), "blocks": torch.nn.ModuleList(
+        Block() for _ in range(layers)), "ln_f": torch.nn.LayerNorm(h)})
+    assert transformer_params(layers, h, vocab) == sum(p.numel() for p in model.parameters())
+    assert from_model(model, dp=2).params_total == transformer_params(layers, h, vocab)
+
+
+def test_fp32_offload_and_bubble():
+    p = plan(1e9, dp=4, dtype="fp32", offload_optimizer="cpu", micro_batches=4, pp=2)
+    s0 = p.stages[0]
+    # fp32: params 4, grads 4, no master copy, Adam 8; offloaded: the 8 bytes live in CPU memory
+    assert s0.master_bytes == 0 and s0.adam_bytes == 0
+    assert s0.total_bytes == 8 * 5e8 and s0.cpu_bytes == 8 * 5e8
+    assert p.stages[1].cpu_bytes == 8 * 5e8 / 4
+    assert p.pipeline_bubble == pytest.approx(1 / 5)
+
+
+def test_cli_json_and_exit_codes(capsys):
+    assert main(["--params", "7.5e9", "--dp", "64", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [round(s["total_bytes"] / GB, 1) for s in out["stages"]] == [120.0, 31.4, 16.6, 1.9]
+    assert out["smallest_fitting_stage"] == 1
+    for bad, message in ((["--params", "-1"], "params must be > 0"),
+                         (["--layers", "80", "--hidden", "8192", "--heads", "64", "--vocab", "32000", "--pp", "3"],
+                          "layers 80 is not divisible by pp 3"),
+                         (["--layers", "2", "--hidden", "64", "--heads", "6", "--vocab", "10"],
+                          "hidden 64 is not divisible by heads 6"),
+                         (["--layers", "2", "--hidden", "64", "--heads", "8", "--vocab", "10", "--tp", "3"],
+                          "heads 8 is not divisible by tp 3"),
+                         (["--params", "1e9", "--dtype", "int8"], "invalid choice: 'int8'"),
+                         (["--params", "1e9", "--gpu-memory", "lots"], "cannot read 'lots' as a size"),
+                         (["--params", "1e9", "--layers", "3"], "either params or the shape")):
+        with pytest.raises(SystemExit) as e:
+            main(bad)
+        assert e.value.code == 2
+        assert message in capsys.readouterr().err
+
+
+def test_module_entry_point():
+    proc = subprocess.run([sys.executable, "-m", "zerokern.plan", "--params", "7.5e9", "--dp", "64"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0
+    assert "<- smallest stage that fits" in proc.stdout
+    bad = subprocess.run([sys.executable, "-m", "zerokern.plan", "--params", "0"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr

@@ -1,0 +1,20 @@
+"""Memory and communication planner for ZeRO data parallelism.
+
+    python -m zerokern.plan --params 7.5e9 --dp 64
+    python -m zerokern.plan --layers 80 --hidden 8192 --heads 64 --vocab 32000 --tp 8 --pp 8 --dp 4
+
+    from zerokern.plan import plan, from_model
+    p = plan(7.5e9, dp=64)            # a Plan: one StagePlan per ZeRO stage 0-3
+    p = from_model(model, dp=8)       # counts a real module's trainable parameters
+"""
+
+from .model import DTYPE_BYTES, Plan, StagePlan, plan, transformer_params, transformer_params_per_gpu
+
+__all__ = ["plan", "from_model", "Plan", "StagePlan", "transformer_params", "transformer_params_per_gpu",
+           "DTYPE_BYTES"]
+
+
+def from_model(model, **kwargs) -> Plan:
+    """plan() for a real torch.nn.Module: its trainable parameters (shared ones once)."""
+    count = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return plan(count, **kwargs)

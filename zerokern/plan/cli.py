@@ -1,0 +1,127 @@
+"""`python -m zerokern.plan`: the planner on the command line. Bad input exits
+with code 2 and a one-line reason (argparse's convention), never a traceback."""
+
+import argparse
+import json
+import re
+import sys
+
+from .model import DTYPE_BYTES, plan
+
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+          "tib": 2**40}
+
+
+def parse_bytes(text, per_second=False):
+    """'80GB', '141GiB', '8e10' (bytes), '100GB/s' -> a number of bytes (per second)."""
+    t = text.strip().lower().replace(" ", "")
+    if per_second:
+        t = t.removesuffix("/s").removesuffix("ps")
+    m = re.fullmatch(r"([0-9.]+(?:e[+-]?[0-9]+)?)([a-z]*)", t)
+    if not m or m.group(2) not in _UNITS:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r} as a size (e.g. 80GB, 141GiB, 100GB/s)")
+    value = float(m.group(1)) * _UNITS[m.group(2)]
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return value
+
+
+def count(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r} as a number") from None
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
+    return int(value)
+
+
+def parser():
+    ap = argparse.ArgumentParser(prog="python -m zerokern.plan",
+                                 description="Per-GPU memory and communication of mixed-precision Adam training "
+                                             "for ZeRO stages 0-3 (model states only; activations not modelled).")
+    model = ap.add_argument_group("model (either --params or the shape)")
+    model.add_argument("--params", type=float, help="number of parameters, e.g. 7.5e9")
+    model.add_argument("--layers", type=count)
+    model.add_argument("--hidden", type=count)
+    model.add_argument("--heads", type=count)
+    model.add_argument("--vocab", type=count)
+    model.add_argument("--ffn-hidden", type=count, help="MLP width (default 4 * hidden)")
+    par = ap.add_argument_group("parallelism")
+    par.add_argument("--dp", type=count, default=1, help="data-parallel size")
+    par.add_argument("--tp", type=count, default=1, help="tensor-parallel size")
+    par.add_argument("--pp", type=count, default=1, help="pipeline-parallel size")
+    par.add_argument("--micro-batches", type=count, default=1, help="micro-batches per step (pipeline bubble)")
+    par.add_argument("--stage", type=count, choices=[0, 1, 2, 3], help="mark this ZeRO stage (all are shown)")
+    hw = ap.add_argument_group("training and hardware")
+    hw.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_BYTES))
+    hw.add_argument("--offload-optimizer", choices=["none", "cpu"], default="none",
+                    help="keep fp32 master weights and Adam state in CPU memory")
+    hw.add_argument("--gpu-memory", type=parse_bytes, default=80e9, help="per GPU, e.g. 80GB (default), 141GB")
+    hw.add_argument("--dp-bandwidth", type=lambda t: parse_bytes(t, per_second=True), default=100e9,
+                    help="per-GPU data-parallel link bandwidth, e.g. 100GB/s (default), 50GB/s")
+    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return ap
+
+
+def _gb(x):
+    return f"{x / 1e9:.2f}"
+
+
+def render(p, marked=None):
+    lines = [f"zerokern plan: {p.params_total:.4g} params in all, {p.params_per_gpu:.4g} on each GPU; "
+             f"dp={p.dp} tp={p.tp} pp={p.pp}, {p.dtype}, Adam"
+             + (", optimizer offloaded to CPU" if p.offload_optimizer else ""),
+             f"  {p.formula}",
+             f"GB per GPU (1 GB = 1e9 bytes); fits in {_gb(p.gpu_memory_bytes)} GB = model states only, "
+             f"headroom left for activations",
+             ""]
+    head = ["stage", "params", "grads", "master", "adam", "total", "fits (headroom)", "comm/step", "comm time"]
+    if p.offload_optimizer:
+        head.insert(6, "cpu")
+    rows = []
+    best = p.smallest_fitting_stage
+    for s in p.stages:
+        row = [str(s.stage), _gb(s.params_bytes), _gb(s.grads_bytes), _gb(s.master_bytes), _gb(s.adam_bytes),
+               _gb(s.total_bytes), f"{'yes' if s.fits else 'no'} ({_gb(s.headroom_bytes)})",
+               f"{_gb(s.comm_bytes)} GB", f"{s.comm_seconds * 1e3:.1f} ms"]
+        if p.offload_optimizer:
+            row.insert(6, _gb(s.cpu_bytes))
+        notes = []
+        if s.stage == best:
+            notes.append("<- smallest stage that fits")
+        if s.stage == marked:
+            notes.append("<- --stage")
+        rows.append(row + [" ".join(notes)])
+    widths = [max(len(r[i]) for r in [head + [""]] + rows) for i in range(len(head) + 1)]
+    for r in [head + [""]] + rows:
+        lines.append("  ".join(c.rjust(w) if 0 < i < len(head) else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+    lines.append("")
+    lines.append(f"comm: bytes each GPU sends per step over the data-parallel group at "
+                 f"{p.dp_bandwidth_bytes_per_s / 1e9:g} GB/s (ring; 2x params for stages 0-2, 3x for stage 3)")
+    if p.pp > 1:
+        lines.append(f"pipeline bubble: (pp-1)/(m+pp-1) = {p.pipeline_bubble:.1%} with m={p.micro_batches} micro-batches")
+    if best is None:
+        lines.append("no stage fits: raise dp, tp or pp, or offload the optimizer (--offload-optimizer cpu)")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = parser()
+    args = ap.parse_args(argv)
+    try:
+        p = plan(args.params, layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab,
+                 ffn_hidden=args.ffn_hidden, dp=args.dp, tp=args.tp, pp=args.pp, dtype=args.dtype,
+                 offload_optimizer=args.offload_optimizer, gpu_memory=args.gpu_memory,
+                 micro_batches=args.micro_batches, dp_bandwidth=args.dp_bandwidth)
+    except ValueError as e:
+        ap.error(str(e))  # exit code 2
+    if args.json:
+        print(json.dumps(p.to_dict(), indent=1))
+    else:
+        print(render(p, args.stage))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

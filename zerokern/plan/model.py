@@ -1,0 +1,163 @@
+"""The planner's arithmetic: pure functions of numbers, no torch.
+
+Bytes per parameter on each GPU, mixed-precision Adam (bf16/fp16 training):
+params 2, grads 2, fp32 master weights 4, Adam m and v 8 (the ZeRO paper's
+K = 12 optimizer bytes); fp32 training has no separate master copy: params 4,
+grads 4, Adam 8. ZeRO stage 1 divides the optimizer bytes (master + Adam) by
+the data-parallel size dp, stage 2 also the grads, stage 3 also the params.
+Activations, the CUDA context, temporary buffers and fragmentation are not
+modelled: "fits" means the model states fit, with the headroom left for them.
+
+Parameters of a standard decoder-only transformer (GPT: learned biases, two
+LayerNorms per layer, a 4h MLP by default, tied input/output embedding, no
+learned position table), per layer
+    attention qkv h*3h + 3h, out proj h*h + h, MLP h*f + f and f*h + h, 2 LayerNorms 4h
+    = 4h^2 + 2hf + 9h + f        (= 12h^2 + 13h for f = 4h)
+total = layers * that + vocab*h (embedding) + 2h (final LayerNorm).
+With tensor parallelism (Megatron-style) a GPU holds 1/tp of the qkv, MLP-in
+weights and biases and of the out-proj and MLP-out weights; the out-proj and
+MLP-out biases and the LayerNorms are replicated:
+    per layer per GPU = (4h^2 + 2hf + 3h + f) / tp + 6h
+The embedding is split over tp by vocabulary. With pipeline parallelism each
+stage holds layers/pp layers; the first stage also holds the embedding and the
+last stage its tied copy as the output layer plus the final LayerNorm (as
+Megatron does), so the last stage is the most loaded one and is what is planned.
+
+Communication per GPU per step, data-parallel, ring algorithms: plain DP
+all-reduces the grads (reduce-scatter + all-gather: 2 x params x (dp-1)/dp
+elements); ZeRO-1 and ZeRO-2 reduce-scatter the grads and all-gather the
+updated params: the same 2x; ZeRO-3 all-gathers the params for forward and
+again for backward and reduce-scatters the grads: 3x, 1.5 times as much.
+Elements travel in the training dtype. Pipeline bubble: (pp - 1) / (m + pp - 1)
+for m micro-batches.
+"""
+
+from dataclasses import asdict, dataclass, field
+from typing import List, Optional
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    stage: int
+    params_bytes: float
+    grads_bytes: float
+    master_bytes: float
+    adam_bytes: float
+    total_bytes: float  # on the GPU
+    cpu_bytes: float  # offloaded optimizer state, per GPU, in host memory
+    fits: bool
+    headroom_bytes: float
+    comm_bytes: float  # sent (and received) per GPU per step
+    comm_seconds: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    params_total: int  # the whole model
+    params_per_gpu: int  # this GPU's model-parallel share (most loaded pipeline stage)
+    dp: int
+    tp: int
+    pp: int
+    dtype: str
+    offload_optimizer: Optional[str]
+    gpu_memory_bytes: float
+    dp_bandwidth_bytes_per_s: float
+    micro_batches: int
+    pipeline_bubble: float
+    stages: List[StagePlan] = field(default_factory=list)
+    formula: str = ""
+
+    @property
+    def smallest_fitting_stage(self) -> Optional[int]:
+        return next((s.stage for s in self.stages if s.fits), None)
+
+    def to_dict(self):
+        d = asdict(self)
+        d["smallest_fitting_stage"] = self.smallest_fitting_stage
+        return d
+
+
+def transformer_params(layers, hidden, vocab, ffn_hidden=None):
+    """(total params, params on the most loaded GPU for tp = pp = 1) of the
+    standard decoder-only transformer described in this module's docstring."""
+    h, f = hidden, ffn_hidden or 4 * hidden
+    per_layer = 4 * h * h + 2 * h * f + 9 * h + f
+    return layers * per_layer + vocab * h + 2 * h
+
+
+def transformer_params_per_gpu(layers, hidden, vocab, ffn_hidden=None, tp=1, pp=1):
+    """Params on the most loaded GPU (the last pipeline stage)."""
+    h, f = hidden, ffn_hidden or 4 * hidden
+    per_layer = (4 * h * h + 2 * h * f + 3 * h + f) // tp + 6 * h  # exact: plan() checks tp divides h and f
+    embedding = -(-vocab // tp) * h  # vocabulary-parallel; rounded up like a padded vocab
+    return layers // pp * per_layer + embedding + 2 * h
+
+
+def _positive(name, value, allow_zero=False):
+    if value is None or value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_hidden=None, dp=1, tp=1, pp=1,
+         dtype="bf16", offload_optimizer=None, gpu_memory=80e9, micro_batches=1, dp_bandwidth=100e9) -> Plan:
+    """The memory and communication plan for every ZeRO stage. Give either
+    `params` (a count; tp and pp then split it evenly) or the shape (layers,
+    hidden, heads, vocab[, ffn_hidden])."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPE_BYTES)}")
+    if offload_optimizer not in (None, "none", "cpu"):
+        raise ValueError(f"offload_optimizer must be 'cpu' or None, got {offload_optimizer!r}")
+    offload = offload_optimizer == "cpu"
+    for name, v in (("dp", dp), ("tp", tp), ("pp", pp), ("micro_batches", micro_batches),
+                    ("gpu_memory", gpu_memory), ("dp_bandwidth", dp_bandwidth)):
+        _positive(name, v)
+    shape = (layers, hidden, heads, vocab)
+    if params is not None and any(x is not None for x in shape):
+        raise ValueError("give either params or the shape (layers, hidden, heads, vocab), not both")
+    if params is not None:
+        _positive("params", params)
+        total = int(params)
+        per_gpu = -(-total // (tp * pp))
+        formula = f"params given: {total:.4g}, split evenly over tp*pp = {tp * pp}"
+    else:
+        if any(x is None for x in shape):
+            raise ValueError("give params, or all of layers, hidden, heads and vocab")
+        for name, v in zip(("layers", "hidden", "heads", "vocab"), shape):
+            _positive(name, v)
+        if ffn_hidden is not None:
+            _positive("ffn_hidden", ffn_hidden)
+        if hidden % heads:
+            raise ValueError(f"hidden {hidden} is not divisible by heads {heads}")
+        if heads % tp:
+            raise ValueError(f"heads {heads} is not divisible by tp {tp} (each tensor-parallel rank needs whole heads)")
+        if (ffn_hidden or 4 * hidden) % tp:
+            raise ValueError(f"ffn_hidden {ffn_hidden or 4 * hidden} is not divisible by tp {tp}")
+        if layers % pp:
+            raise ValueError(f"layers {layers} is not divisible by pp {pp} (each pipeline stage needs whole layers)")
+        total = transformer_params(layers, hidden, vocab, ffn_hidden)
+        per_gpu = transformer_params_per_gpu(layers, hidden, vocab, ffn_hidden, tp, pp)
+        f = ffn_hidden or 4 * hidden
+        formula = (f"layers*(4h^2 + 2hf + 9h + f) + vocab*h + 2h with h={hidden}, f={f}: {total:,}; "
+                   f"per GPU (tp={tp}, pp={pp}, last stage): {per_gpu:,}")
+
+    b = DTYPE_BYTES[dtype]
+    p_bytes, g_bytes = b * per_gpu, b * per_gpu
+    master = 0 if dtype == "fp32" else 4 * per_gpu  # fp32 training updates the params themselves
+    adam = 8 * per_gpu
+    stages = []
+    for stage in range(4):
+        shard = lambda x, s: x / dp if stage >= s else x  # noqa: E731
+        optimizer = shard(master, 1) + shard(adam, 1)
+        gpu = shard(p_bytes, 3) + shard(g_bytes, 2) + (0 if offload else optimizer)
+        comm = (3 if stage == 3 else 2) * per_gpu * b * (dp - 1) / dp
+        stages.append(StagePlan(
+            stage=stage, params_bytes=shard(p_bytes, 3), grads_bytes=shard(g_bytes, 2),
+            master_bytes=0 if offload else shard(master, 1), adam_bytes=0 if offload else shard(adam, 1),
+            total_bytes=gpu, cpu_bytes=optimizer if offload else 0, fits=gpu <= gpu_memory,
+            headroom_bytes=gpu_memory - gpu, comm_bytes=comm, comm_seconds=comm / dp_bandwidth))
+    return Plan(params_total=total, params_per_gpu=per_gpu, dp=dp, tp=tp, pp=pp, dtype=dtype,
+                offload_optimizer="cpu" if offload else None, gpu_memory_bytes=gpu_memory,
+                dp_bandwidth_bytes_per_s=dp_bandwidth, micro_batches=micro_batches,
+                pipeline_bubble=(pp - 1) / (micro_batches + pp - 1), stages=stages, formula=formula)

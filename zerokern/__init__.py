@@ -2,6 +2,7 @@
 
 from . import ops
 from .ops import available_backends, unavailable_backends
+from .optim import FusedZeroAdam
 
-__all__ = ["ops", "available_backends", "unavailable_backends"]
+__all__ = ["ops", "FusedZeroAdam", "available_backends", "unavailable_backends"]
 __version__ = "0.1.0"

@@ -1,0 +1,5 @@
+"""zerokern's optimizers."""
+
+from .fused_zero_adam import FusedZeroAdam, ZeroConfig
+
+__all__ = ["FusedZeroAdam", "ZeroConfig"]

@@ -1,0 +1,88 @@
+"""The collectives FusedZeroAdam uses, behind one small object.
+
+World size 1 (no process group) makes every collective a no-op, so the same
+optimizer code runs in one process. Averages are taken as SUM followed by a
+division of the (small) result, because gloo has no AVG. Every collective is
+labelled for the profiler (record_function "zerokern::<name>").
+
+[Note: streams] On GPUs the collectives are issued with async_op=True: NCCL
+runs them on its own internal stream, ordered after the work already queued
+on the current stream (so a bucket's grads are complete), and Work.wait()
+makes the current stream wait for them without blocking the host. That NCCL
+stream is the "side stream" that overlaps reductions with the rest of
+backward. On CPUs, gloo runs them on its own threads and wait() blocks.
+"""
+
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+
+# torch 2.14 renamed the flat-tensor collectives; 2.11 has only the old names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class _Done:
+    """A finished collective (world size 1)."""
+
+    def wait(self):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+class Comm:
+    def __init__(self, process_group=None):
+        if process_group is None and dist.is_available() and dist.is_initialized():
+            process_group = dist.group.WORLD
+        self.group = process_group
+        self.world_size = dist.get_world_size(process_group) if process_group is not None else 1
+        self.rank = dist.get_rank(process_group) if process_group is not None else 0
+        self.wait_seconds = 0.0  # host time spent waiting on collectives (bench/overlap.py reads it)
+
+    @property
+    def distributed(self):
+        return self.world_size > 1
+
+    def _label(self, name):
+        return record_function(f"zerokern::{name}") if self.distributed else nullcontext()
+
+    def reduce_scatter(self, output, input, name="reduce_scatter"):
+        """Async SUM reduce-scatter of `input` (world_size * output.numel()) into `output`."""
+        if not self.distributed:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return _Done()
+        with self._label(name):
+            return _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, name="all_reduce"):
+        if not self.distributed:
+            return _Done()
+        with self._label(name):
+            return dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
+
+    def all_gather(self, output, input, name="all_gather"):
+        """Async all-gather of every rank's `input` into `output` (input may be output's own slice)."""
+        if not self.distributed:
+            return _Done()
+        with self._label(name):
+            return _all_gather(output, input, group=self.group, async_op=True)
+
+    def wait(self, work):
+        t0 = time.perf_counter()
+        work.wait()
+        self.wait_seconds += time.perf_counter() - t0
+
+    def gather_objects(self, obj):
+        """Every rank's `obj` (small, picklable), on every rank."""
+        if not self.distributed:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out

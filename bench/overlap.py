@@ -1,0 +1,207 @@
+"""How much of FusedZeroAdam's gradient reduction hides behind backward.
+
+    python bench/overlap.py                      # 2 CPU ranks (gloo), simulated 1 GB/s link
+    python bench/overlap.py --world 4 --bandwidth 2GB/s --json out.json
+
+N ranks (gloo on CPUs) train a synthetic MLP with FusedZeroAdam, overlap_comm
+on and off, alternating steps (A B A B) so machine noise hits both. Each rank
+reports per step: backward time, the total time its gradient reductions take
+on the link, and the exposed part: the time the host waits for them (at the
+end of backward and in step()). The all-gather of updated params after the
+step is reported apart.
+
+The network is simulated, so overlap shows deterministically on one machine:
+each collective really runs (gloo), and its completion is then delayed to when
+a link of the given bandwidth and latency would have delivered it, one
+collective at a time per rank (a ring moves (world-1)/world of the buffer).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from zerokern import FusedZeroAdam  # noqa: E402
+from zerokern.plan.cli import parse_bytes  # noqa: E402
+
+
+class SimulatedLink:
+    """One link per rank: collectives are serialised on it."""
+
+    def __init__(self, bandwidth, latency):
+        self.bandwidth, self.latency, self.free_at = bandwidth, latency, 0.0
+
+    def schedule(self, nbytes):
+        start = max(time.perf_counter(), self.free_at)
+        self.free_at = start + self.latency + nbytes / self.bandwidth
+        return self.free_at, self.free_at - start
+
+
+class _DelayedWork:
+    def __init__(self, work, done_at):
+        self.work, self.done_at = work, done_at
+
+    def wait(self):
+        self.work.wait()
+        delay = self.done_at - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        return True
+
+
+class SimComm:
+    """Wraps zerokern's Comm: the same collectives, delivered at simulated link speed."""
+
+    def __init__(self, comm, link):
+        self.inner, self.link = comm, link
+        self.world_size, self.rank, self.group = comm.world_size, comm.rank, comm.group
+        self.wait_by_kind = {"grads": 0.0, "params": 0.0, "other": 0.0}
+        self.link_time_by_kind = {"grads": 0.0, "params": 0.0, "other": 0.0}
+
+    @property
+    def distributed(self):
+        return self.inner.distributed
+
+    @property
+    def wait_seconds(self):
+        return sum(self.wait_by_kind.values())
+
+    @staticmethod
+    def _kind(name):
+        return "grads" if name.startswith(("reduce_scatter", "all_reduce[")) else (
+            "params" if name.startswith("all_gather") else "other")
+
+    def _delay(self, work, tensor, name):
+        nbytes = tensor.numel() * tensor.element_size() * (self.world_size - 1) / self.world_size
+        done_at, duration = self.link.schedule(nbytes)
+        self.link_time_by_kind[self._kind(name)] += duration
+        w = _DelayedWork(work, done_at)
+        w.kind = self._kind(name)
+        return w
+
+    def reduce_scatter(self, output, input, name="reduce_scatter"):
+        return self._delay(self.inner.reduce_scatter(output, input, name), input, name)
+
+    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, name="all_reduce"):
+        return self._delay(self.inner.all_reduce(tensor, op, name), tensor, name)
+
+    def all_gather(self, output, input, name="all_gather"):
+        return self._delay(self.inner.all_gather(output, input, name), output, name)
+
+    def wait(self, work):
+        t0 = time.perf_counter()
+        work.wait()
+        self.wait_by_kind[getattr(work, "kind", "other")] += time.perf_counter() - t0
+
+    def gather_objects(self, obj):
+        return self.inner.gather_objects(obj)
+
+
+def build(args, overlap, link):
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(args.layers):
+        layers += [torch.nn.Linear(args.hidden, args.hidden), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers)
+    opt = FusedZeroAdam(model.parameters(), lr=1e-4, zero_stage=args.stage, overlap_comm=overlap,
+                        bucket_cap_mb=args.bucket_cap_mb)
+    sim = SimComm(opt.comm, link)
+    for obj in [opt] + opt.groups:
+        obj.comm = sim
+    return model, opt, sim
+
+
+def worker(rank, world, args, store, out_path):
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    torch.set_num_threads(args.threads)
+    link = SimulatedLink(args.bandwidth, args.latency)
+    runs = {name: build(args, overlap, link) for name, overlap in (("overlap", True), ("no_overlap", False))}
+    x = torch.randn(args.batch, args.hidden)
+    stats = {name: [] for name in runs}
+    for step in range(args.steps + 1):
+        for name, (model, opt, sim) in runs.items():
+            dist.barrier()
+            before = dict(sim.wait_by_kind), dict(sim.link_time_by_kind)
+            opt.zero_grad()
+            loss = model(x).square().mean()
+            t0 = time.perf_counter()
+            loss.backward()
+            t1 = time.perf_counter()
+            opt.step()
+            t2 = time.perf_counter()
+            if step == 0:
+                continue  # warm-up
+            wait = {k: sim.wait_by_kind[k] - before[0][k] for k in before[0]}
+            link_t = {k: sim.link_time_by_kind[k] - before[1][k] for k in before[1]}
+            stats[name].append({"backward_s": t1 - t0, "step_s": t2 - t1, "grad_comm_s": link_t["grads"],
+                                "grad_exposed_s": wait["grads"], "param_comm_s": link_t["params"],
+                                "param_exposed_s": wait["params"]})
+    # backward compute alone (no reductions): the budget the communication can hide behind
+    compute = []
+    model = runs["overlap"][0]
+    opt = runs["overlap"][1]
+    for _ in range(args.steps):
+        with opt.no_sync():
+            loss = model(x).square().mean()
+            t0 = time.perf_counter()
+            loss.backward()
+            compute.append(time.perf_counter() - t0)
+    result = {"rank": rank, "compute_backward_s": statistics.median(compute),
+              "buckets": len(runs["overlap"][1].groups[0].layout.buckets)}
+    for name, rows in stats.items():
+        result[name] = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    with open(f"{out_path}.{rank}", "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--stage", type=int, default=2, choices=[1, 2])
+    ap.add_argument("--bucket-cap-mb", type=float, default=1.0)
+    ap.add_argument("--bandwidth", type=lambda t: parse_bytes(t, per_second=True), default=1e9,
+                    help="simulated per-rank link bandwidth, e.g. 1GB/s")
+    ap.add_argument("--latency", type=float, default=50e-6, help="seconds per collective")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "r")
+        mp.start_processes(worker, args=(args.world, args, os.path.join(tmp, "store"), out), nprocs=args.world,
+                           start_method="spawn")
+        ranks = [json.load(open(f"{out}.{r}")) for r in range(args.world)]
+    ms = lambda s: f"{s * 1e3:8.2f}"  # noqa: E731
+    print(f"{args.world} ranks, {args.layers} x Linear({args.hidden}), batch {args.batch}, ZeRO-{args.stage}, "
+          f"{ranks[0]['buckets']} buckets of <= {args.bucket_cap_mb} MB, simulated link "
+          f"{args.bandwidth / 1e9:g} GB/s + {args.latency * 1e6:g} us; medians over {args.steps} steps, rank 0")
+    r0 = ranks[0]
+    print(f"backward compute alone: {ms(r0['compute_backward_s'])} ms")
+    print(f"{'':12s} {'backward':>9s} {'grad comm':>10s} {'exposed':>9s} {'exposed %':>9s} {'param gather':>12s} "
+          f"{'step':>8s}  (ms)")
+    for name in ("overlap", "no_overlap"):
+        s = r0[name]
+        pct = 100 * s["grad_exposed_s"] / s["grad_comm_s"] if s["grad_comm_s"] else 0.0
+        print(f"{name:12s} {ms(s['backward_s'])}  {ms(s['grad_comm_s'])}  {ms(s['grad_exposed_s'])}  {pct:8.1f}%"
+              f"  {ms(s['param_comm_s'])}     {ms(s['step_s'])}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": {k: v for k, v in vars(args).items() if k != "json"}, "ranks": ranks}, f, indent=1)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -33,4 +33,5 @@ for b in bench/adam_throughput.py bench/flatten_throughput.py; do
   name=$(basename "$b" .py)
   $py "$b" --budget 0.5 --json "$out/$name.json" --plot "$out/$name.png" 2>&1 | tee "$out/$name.log" | grep -v "it/s\|case/s" || status=1
 done
+$py bench/zero_step.py --sizes 1e7,1e8,1e9 --json "$out/zero_step.json" 2>&1 | tee "$out/zero_step.log" | grep -v "it/s" || status=1
 exit $status

@@ -102,3 +102,20 @@ def test_module_entry_point():
     bad = subprocess.run([sys.executable, "-m", "zerokern.plan", "--params", "0"], capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_planner_agrees_with_a_measured_run(world):
+    """FusedZeroAdam.memory_report() on a real gloo run (bf16 params, ZeRO-2) against the
+    planner's master-weight and Adam-state figures: equal up to the layout's padding."""
+    import dist_harness
+    import zero_workers as W
+
+    results = dist_harness.values(dist_harness.run(W.train_sharded, world, torch.bfloat16, 2, True, 0.001, 2))
+    for r in results:
+        stage = plan(r["numel"], dp=world, dtype="bf16").stages[2]
+        padding = r["padded_numel"] - r["numel"]  # alignment padding of the whole layout, elements
+        rep = r["report"]
+        assert stage.master_bytes <= rep["master_params"] <= stage.master_bytes + 4 * padding / world
+        assert stage.adam_bytes <= rep["adam_state"] <= stage.adam_bytes + 8 * padding / world
+        assert padding < 0.2 * r["numel"], "the padding is small next to the model"

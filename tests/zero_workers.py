@@ -60,7 +60,8 @@ def train_sharded(rank, world, dtype, stage, overlap, bucket_cap_mb, steps, adam
     diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
     scale = max(b.float().abs().max().item() for b in ref.parameters())
     return {"diff": diff, "scale": scale, "buckets": len(opt.groups[0].layout.buckets),
-            "report": opt.memory_report(), "numel": sum(p.numel() for p in model.parameters())}
+            "report": opt.memory_report(), "numel": sum(p.numel() for p in model.parameters()),
+            "padded_numel": opt.groups[0].layout.padded_numel}
 
 
 def no_sync_equals_big_batch(rank, world):
@@ -211,3 +212,18 @@ def checkpoint_resume(rank, world, path, steps_before, steps_after):
     return {"diff": max((a.float() - b.float()).abs().max().item() for a, b in zip(model.parameters(),
                                                                                 ref.parameters())),
             "refused": refused}
+
+
+def example_losses(rank, world, optimizer, dtype, grad_accum, stage):
+    """examples/train_gpt.py's train() on this rank."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    import train_gpt
+
+    torch.set_num_threads(1)
+    args = train_gpt.parser().parse_args(["--optimizer", optimizer, "--dtype", dtype, "--grad-accum", str(grad_accum),
+                                          "--steps", "25", "--log-every", "1000"]
+                                         + ([] if stage is None else ["--zero-stage", str(stage)]))
+    return train_gpt.train(args, rank, world)

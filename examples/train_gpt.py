@@ -1,0 +1,173 @@
+"""Train a small GPT with FusedZeroAdam (or torch DDP + AdamW) on synthetic data.
+
+    torchrun --nproc_per_node=2 examples/train_gpt.py                       # zerokern, ZeRO-2, CPU (gloo)
+    torchrun --nproc_per_node=2 examples/train_gpt.py --optimizer torch     # DDP + torch.optim.AdamW
+    torchrun --nproc_per_node=2 examples/train_gpt.py --zero-stage 1 --dtype bf16 --grad-accum 4
+    python examples/train_gpt.py                                            # one process
+
+The data is a fixed random Markov chain over the vocabulary (nothing is
+downloaded), so the loss falls towards the chain's entropy. Every rank takes its
+own slice of each global batch; the logged loss is the average over ranks.
+"""
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from zerokern import FusedZeroAdam
+
+
+class Block(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab, d, heads, layers, ctx):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(ctx, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+        for emb in (self.tok, self.pos):
+            nn.init.normal_(emb.weight, std=0.02)
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for blk in self.blocks:
+            x = blk(x)
+        return self.ln(x) @ self.tok.weight.t()  # tied output layer
+
+
+def markov_batches(vocab, ctx, batch, steps, seed=0):
+    """Global batches (inputs, targets) drawn from one fixed random Markov chain."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(vocab, vocab, generator=g) * 3
+    probs = logits.softmax(-1)
+    for _ in range(steps):
+        seq = torch.empty(batch, ctx + 1, dtype=torch.long)
+        seq[:, 0] = torch.randint(vocab, (batch,), generator=g)
+        for t in range(ctx):
+            seq[:, t + 1] = torch.multinomial(probs[seq[:, t]], 1, generator=g).squeeze(1)
+        yield seq[:, :-1], seq[:, 1:]
+
+
+def train(args, rank=0, world=1, device="cpu"):
+    torch.manual_seed(args.seed)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    model = GPT(args.vocab, args.d_model, args.heads, args.layers, args.ctx).to(device, dtype)
+    if args.optimizer == "zerokern":
+        opt = FusedZeroAdam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
+                            zero_stage=args.zero_stage, bucket_cap_mb=args.bucket_cap_mb)
+        net = model
+    else:
+        net = nn.parallel.DistributedDataParallel(model) if world > 1 else model
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+
+    def accumulating():
+        """Micro-batches before the last one: no gradient communication."""
+        if args.optimizer == "zerokern":
+            return opt.no_sync()
+        return net.no_sync() if world > 1 else contextlib.nullcontext()
+
+    per_rank = args.batch // world
+    micro = per_rank // args.grad_accum
+    losses, t0, tokens = [], time.perf_counter(), 0
+    for step, (x, y) in enumerate(markov_batches(args.vocab, args.ctx, args.batch, args.steps, args.seed)):
+        x, y = x[rank * per_rank:(rank + 1) * per_rank].to(device), y[rank * per_rank:(rank + 1) * per_rank].to(device)
+        opt.zero_grad()
+        total = torch.zeros((), device=device)
+        for k in range(args.grad_accum):
+            xs, ys = x[k * micro:(k + 1) * micro], y[k * micro:(k + 1) * micro]
+            with accumulating() if k < args.grad_accum - 1 else contextlib.nullcontext():
+                loss = F.cross_entropy(net(xs).float().flatten(0, 1), ys.flatten()) / args.grad_accum
+                loss.backward()
+            total += loss.detach()
+        opt.step()
+        if world > 1:
+            dist.all_reduce(total)
+            total /= world
+        losses.append(total.item())
+        tokens += args.batch * args.ctx
+        if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
+            rate = tokens / (time.perf_counter() - t0)
+            print(f"step {step:4d}  loss {losses[-1]:.4f}  {rate:,.0f} tokens/s  {memory(opt, model)}", flush=True)
+    return losses
+
+
+def memory(opt, model):
+    """This rank's optimizer-related memory, in MB."""
+    if isinstance(opt, FusedZeroAdam):
+        rep = opt.memory_report()
+    else:
+        nb = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+        rep = {"params": nb(model.parameters()), "adam_state": nb(v for s in opt.state.values() for k, v in s.items()
+                                                                   if k != "step"),
+               "grads": nb(p.grad for p in model.parameters() if p.grad is not None)}
+    return "mem MB " + " ".join(f"{k}={v / 2**20:.1f}" for k, v in rep.items() if k != "total")
+
+
+def parser():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--optimizer", choices=["zerokern", "torch"], default="zerokern")
+    ap.add_argument("--zero-stage", type=int, choices=[0, 1, 2], default=None)
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--grad-accum", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
+    ap.add_argument("--ctx", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=96)
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--weight-decay", type=float, default=0.01)
+    ap.add_argument("--bucket-cap-mb", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--log-json", help="write the loss curve here (rank 0)")
+    return ap
+
+
+def main():
+    args = parser().parse_args()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    device = "cpu"
+    if torch.cuda.is_available():
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        torch.cuda.set_device(device)
+    if world > 1:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if args.batch % (world * args.grad_accum):
+        raise SystemExit(f"--batch {args.batch} must be divisible by world size {world} x --grad-accum {args.grad_accum}")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    losses = train(args, rank, world, device)
+    if rank == 0:
+        print(f"final loss {losses[-1]:.4f} (uniform guess: {math.log(args.vocab):.4f})")
+        if args.log_json:
+            with open(args.log_json, "w") as f:
+                json.dump({"args": vars(args), "world": world, "losses": losses}, f)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

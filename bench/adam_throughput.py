@@ -91,12 +91,14 @@ def torch_optimizer_impl(case, make_optimizer):
     return step
 
 
-def peers(case, device):
+def peers(case, device, with_deepspeed=True):
     """name -> factory of a step function, for every peer installed here."""
     out = {}
     for name, kw in (("torch-forloop", dict(foreach=False)), ("torch-foreach", dict(foreach=True)),
                      ("torch-fused", dict(fused=True))):
         out[name] = lambda kw=kw: torch_optimizer_impl(case, lambda ps: torch.optim.AdamW(ps, **HYPER, **kw))
+    if not with_deepspeed:
+        return out
     try:
         import deepspeed  # noqa: F401
     except ImportError:
@@ -129,23 +131,23 @@ def roof_impl(case):
     return lambda: torch.ops.zerokern.stream_roof_(case.params, case.grads, m, v, case.model or [])
 
 
-def implementations(case, device, with_reference):
+def implementations(case, device, with_reference, with_deepspeed=True):
     impls = {}
     backends = [b for b, ok in ops.available_backends().items()
                 if ok and b in PREFERENCE.get(device, ()) and (with_reference or b != "torch")]
     for b in backends:
         impls[f"zerokern-{b}"] = lambda b=b: zerokern_impl(case, b)
-    impls.update(peers(case, device))
+    impls.update(peers(case, device, with_deepspeed))
     impls.update(apex_peer(case, device))
     if device == "cpu" and ops.available_backends()["cpu"]:
         impls["roof"] = lambda: roof_impl(case)
     return impls
 
 
-def run_case(precision, layout, n, device, budget_s, rounds, with_reference, progress):
+def run_case(precision, layout, n, device, budget_s, rounds, with_reference, progress, with_deepspeed=True):
     case = Case(precision, layout, n, device)
     fns = {}
-    for name, factory in implementations(case, device, with_reference).items():
+    for name, factory in implementations(case, device, with_reference, with_deepspeed).items():
         try:
             fns[name] = factory()
             fns[name]()  # also the first step, which allocates optimizer state
@@ -201,7 +203,9 @@ def main(argv=None):
     ap.add_argument("--budget", type=float, default=2.0, help="seconds of timing per case (sets the rounds)")
     ap.add_argument("--rounds", type=int, help="fixed number of interleaved rounds instead of --budget")
     ap.add_argument("--with-reference", action="store_true", help="also time zerokern's plain-torch backend")
-    ap.add_argument("--quick", action="store_true", help="tiny sizes, 3 rounds: a smoke test")
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny sizes, 3 rounds, no DeepSpeed peers (their first use compiles C++ for minutes): "
+                         "a smoke test")
     ap.add_argument("--json", help="write results (with machine facts) to this path")
     ap.add_argument("--plot", help="write a PNG of GB/s against size to this path")
     args = ap.parse_args(argv)
@@ -222,7 +226,8 @@ def main(argv=None):
     with tqdm(total=len(cases), desc="cases", unit="case") as progress:
         for precision, layout, n in cases:
             progress.set_postfix_str(f"{precision} {layout} {n:.0e}")
-            rows += run_case(precision, layout, n, device, args.budget, rounds, args.with_reference, progress)
+            rows += run_case(precision, layout, n, device, args.budget, rounds, args.with_reference, progress,
+                             with_deepspeed=not args.quick)
 
     H.print_table(rows, [
         ("precision", "prec", "{}"), ("layout", "layout", "{}"), ("params", "params", "{:.2e}"),

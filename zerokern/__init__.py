@@ -2,7 +2,7 @@
 
 from . import ops
 from .ops import available_backends, unavailable_backends
-from .optim import FusedZeroAdam
+from .optim import FusedAdam, FusedZeroAdam
 
-__all__ = ["ops", "FusedZeroAdam", "available_backends", "unavailable_backends"]
+__all__ = ["ops", "FusedAdam", "FusedZeroAdam", "available_backends", "unavailable_backends"]
 __version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Glue to other training frameworks (imported on demand; none is a dependency)."""

@@ -95,7 +95,11 @@ def extensions():
     if cuda_home:
         # Must be set before torch.utils.cpp_extension is imported: it reads CUDA_HOME once.
         os.environ["CUDA_HOME"] = cuda_home
-    import torch
+    try:
+        import torch
+    except ImportError:
+        sys.exit("zerokern: torch is not importable here. Install torch first, then build with "
+                 "`pip install --no-build-isolation -e .` (an isolated build cannot see the installed torch).")
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
     include = [os.path.join(ROOT, "csrc", "include")]

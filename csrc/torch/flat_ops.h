@@ -36,4 +36,24 @@ std::vector<at::Tensor> unflatten_impl(const at::Tensor& flat, at::TensorList li
 void unflatten_into_impl(const at::Tensor& flat, at::TensorList targets, at::OptionalIntArrayRef offsets,
                          CastLauncher launch);
 
+// The four ops for one device, bound to its launcher (the registrations in
+// ops_cpu.cpp and ops_cuda.cpp take these).
+template <CastLauncher Launch>
+struct FlatOps {
+  static at::Tensor flatten(at::TensorList tensors, at::ScalarType dtype, at::OptionalIntArrayRef offsets,
+                            std::optional<int64_t> numel) {
+    return flatten_impl(tensors, dtype, offsets, numel, Launch);
+  }
+  static void flatten_into(at::TensorList tensors, const at::Tensor& out, at::OptionalIntArrayRef offsets) {
+    flatten_into_impl(tensors, out, offsets, Launch);
+  }
+  static std::vector<at::Tensor> unflatten(const at::Tensor& flat, at::TensorList like,
+                                           at::OptionalIntArrayRef offsets) {
+    return unflatten_impl(flat, like, offsets, Launch);
+  }
+  static void unflatten_into(const at::Tensor& flat, at::TensorList targets, at::OptionalIntArrayRef offsets) {
+    unflatten_into_impl(flat, targets, offsets, Launch);
+  }
+};
+
 }  // namespace zerokern

@@ -40,19 +40,6 @@ void fused_adam_cpu_op(at::TensorList params, at::TensorList grads, at::TensorLi
 
 void launch_cast_cpu(const CastList& l, const at::Tensor&) { cast_copy_cpu(l, at::get_num_threads()); }
 
-at::Tensor flatten_cpu(at::TensorList tensors, at::ScalarType dtype, at::OptionalIntArrayRef offsets,
-                       std::optional<int64_t> numel) {
-  return flatten_impl(tensors, dtype, offsets, numel, launch_cast_cpu);
-}
-void flatten_into_cpu(at::TensorList tensors, const at::Tensor& out, at::OptionalIntArrayRef offsets) {
-  flatten_into_impl(tensors, out, offsets, launch_cast_cpu);
-}
-std::vector<at::Tensor> unflatten_cpu(const at::Tensor& flat, at::TensorList like, at::OptionalIntArrayRef offsets) {
-  return unflatten_impl(flat, like, offsets, launch_cast_cpu);
-}
-void unflatten_into_cpu(const at::Tensor& flat, at::TensorList targets, at::OptionalIntArrayRef offsets) {
-  unflatten_into_impl(flat, targets, offsets, launch_cast_cpu);
-}
 
 std::string cpu_capability_op() { return cpu_capability(); }
 
@@ -82,10 +69,11 @@ TORCH_LIBRARY(zerokern, m) {
 TORCH_LIBRARY_IMPL(zerokern, CPU, m) {
   m.impl("fused_adam_", &fused_adam_cpu_op);
   m.impl("stream_roof_", &stream_roof_op);
-  m.impl("flatten", &flatten_cpu);
-  m.impl("flatten_into_", &flatten_into_cpu);
-  m.impl("unflatten", &unflatten_cpu);
-  m.impl("unflatten_into_", &unflatten_into_cpu);
+  using Flat = FlatOps<launch_cast_cpu>;
+  m.impl("flatten", &Flat::flatten);
+  m.impl("flatten_into_", &Flat::flatten_into);
+  m.impl("unflatten", &Flat::unflatten);
+  m.impl("unflatten_into_", &Flat::unflatten_into);
 }
 
 }  // namespace zerokern

@@ -38,28 +38,16 @@ void launch_cast_cuda(const CastList& l, const at::Tensor& device_of) {
   TORCH_CHECK(err == 0, "zerokern cast_copy launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(err)));
 }
 
-at::Tensor flatten_cuda(at::TensorList tensors, at::ScalarType dtype, at::OptionalIntArrayRef offsets,
-                        std::optional<int64_t> numel) {
-  return flatten_impl(tensors, dtype, offsets, numel, launch_cast_cuda);
-}
-void flatten_into_cuda(at::TensorList tensors, const at::Tensor& out, at::OptionalIntArrayRef offsets) {
-  flatten_into_impl(tensors, out, offsets, launch_cast_cuda);
-}
-std::vector<at::Tensor> unflatten_cuda(const at::Tensor& flat, at::TensorList like, at::OptionalIntArrayRef offsets) {
-  return unflatten_impl(flat, like, offsets, launch_cast_cuda);
-}
-void unflatten_into_cuda(const at::Tensor& flat, at::TensorList targets, at::OptionalIntArrayRef offsets) {
-  unflatten_into_impl(flat, targets, offsets, launch_cast_cuda);
-}
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(zerokern, CUDA, m) {
   m.impl("fused_adam_", &fused_adam_cuda_op);
-  m.impl("flatten", &flatten_cuda);
-  m.impl("flatten_into_", &flatten_into_cuda);
-  m.impl("unflatten", &unflatten_cuda);
-  m.impl("unflatten_into_", &unflatten_into_cuda);
+  using Flat = FlatOps<launch_cast_cuda>;
+  m.impl("flatten", &Flat::flatten);
+  m.impl("flatten_into_", &Flat::flatten_into);
+  m.impl("unflatten", &Flat::unflatten);
+  m.impl("unflatten_into_", &Flat::unflatten_into);
 }
 
 }  // namespace zerokern

@@ -28,6 +28,14 @@ for gd in dtypes:
             ops.fused_adam_(p, g, m, v, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
                             step=step, model_params=o, grad_scale=3.0, backend="cpu")
         out[(gd, md)] = (p, m, v, o)
+# casts big enough for the streaming-store path, every dtype pair
+gen = torch.Generator().manual_seed(1)
+big = [torch.randn(n, generator=gen) * 100 for n in (300_001, 5, 400_003)]
+for s in dtypes:
+    for d in dtypes:
+        flat = ops.flatten([t.to(s) for t in big], out=torch.zeros(700_021, dtype=d), offsets=[3, 300_007, 300_013],
+                           backend="cpu")
+        out[(s, d)] = ([flat], [], [], None)
 torch.save(out, sys.argv[1])
 """
 

@@ -199,3 +199,22 @@ def test_flatten_into_existing_buffer(backend, out_dtype):
     with pytest.raises(ValueError, match=r"^out has 4 elements, the tensors hold 5"):
         ops.flatten([torch.ones(2, device=device), torch.ones(3, device=device)],
                     out=torch.empty(4, device=device), backend=backend)
+
+
+@pytest.mark.parametrize("src", FLOATS)
+@pytest.mark.parametrize("dst", FLOATS)
+def test_large_casts_stream_exactly(src, dst):
+    """Existing destinations over 1 MB (flatten(out=), unflatten_into) take the
+    streaming-store path (cast_isa.inc): head to the first aligned byte, 4 KB chunks,
+    tail. Odd offsets make head and tail non-empty."""
+    tensors = make([(600_001,), (3,), (700_003,)], src, "cpu", seed=4)
+    offsets = [5, 600_011, 600_021]
+    got = ops.flatten(tensors, out=torch.zeros(1_300_031, dtype=dst), offsets=offsets, backend="cpu")
+    want = ops.flatten(tensors, dst, offsets=offsets, numel=1_300_031, backend="torch")
+    assert torch.equal(ops.flatten(tensors, dst, offsets=offsets, numel=1_300_031, backend="cpu"), want)
+    assert torch.equal(got.view(torch.int16 if dst != torch.float32 else torch.int32),
+                       want.view(torch.int16 if dst != torch.float32 else torch.int32))
+    back = [torch.empty_like(t)[1:] for t in tensors]  # targets starting one element in: unaligned
+    ops.unflatten_into(got, back, offsets=[o + 1 for o in offsets], backend="cpu")
+    for b, t in zip(back, tensors):
+        assert torch.equal(b, t.to(dst).to(src)[1:])

@@ -1,5 +1,8 @@
 // The CPU kernels (adam_isa.inc, cast_isa.inc) for the baseline variant.
 #include <cstdint>
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
 #include <cstring>
 #include <type_traits>
 
@@ -10,6 +13,12 @@
 
 // No target pragma: the compiler baseline (SSE2 on x86-64), safe on every machine.
 #define ZK_ISA baseline
+#if defined(__x86_64__) || defined(_M_X64)
+#define ZK_STREAM_BYTES 16  // non-temporal store width (cast_isa.inc)
+#else
+#define ZK_STREAM_BYTES 0
+#endif
 #include "dtypes.inc"
 #include "adam_isa.inc"
 #include "cast_isa.inc"
+#undef ZK_STREAM_BYTES

@@ -24,13 +24,13 @@ struct AdamSpan {
 };
 
 using AdamSpanFn = void (*)(const AdamSpan&, const AdamCoeffs&);
-using CastSpanFn = void (*)(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n);
+using CastSpanFn = void (*)(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n, bool stream);
 
 #define ZK_DECLARE_ISA(isa)                                                         \
   namespace isa {                                                                   \
   void adam_span(const AdamSpan& s, const AdamCoeffs& c);                           \
   void roof_span(const AdamSpan& s, const AdamCoeffs& c);                           \
-  void cast_span(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n); \
+  void cast_span(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n, bool stream); \
   }
 ZK_DECLARE_ISA(avx512)
 ZK_DECLARE_ISA(avx2)

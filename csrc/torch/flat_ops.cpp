@@ -61,7 +61,7 @@ void check_flat(const at::Tensor& flat, const char* name = "flat") {
 // Copies between the tensors and their slices of flat: contiguous ones through
 // one multi-tensor kernel call, the others through torch's strided copy.
 void copy_all(const at::Tensor& flat, at::TensorList tensors, const std::vector<int64_t>& offsets, bool to_flat,
-              CastLauncher launch) {
+              bool existing_dst, CastLauncher launch) {
   std::vector<const void*> src;
   std::vector<void*> dst;
   std::vector<int64_t> numel;
@@ -92,6 +92,7 @@ void copy_all(const at::Tensor& flat, at::TensorList tensors, const std::vector<
   l.numel = numel.data();
   l.src_dtypes = src_dt.data();
   l.dst_dtypes = dst_dt.data();
+  l.stream = existing_dst;
   launch(l, flat);
 }
 
@@ -110,7 +111,7 @@ at::Tensor flatten_impl(at::TensorList tensors, at::ScalarType dtype, at::Option
   // Gaps (alignment padding) are zeroed, so reducing a padded buffer is deterministic.
   const bool gaps = size != need || offsets.has_value();
   at::Tensor flat = gaps ? at::zeros({size}, opts) : at::empty({size}, opts);
-  copy_all(flat, tensors, off, /*to_flat=*/true, launch);
+  copy_all(flat, tensors, off, /*to_flat=*/true, /*existing_dst=*/false, launch);
   return flat;
 }
 
@@ -131,7 +132,7 @@ void flatten_into_impl(at::TensorList tensors, const at::Tensor& out, at::Option
   check_list(tensors, "tensors", out, "out");
   const std::vector<int64_t> off = resolve_offsets(tensors, "tensors", offsets);
   check_fits(out, tensors, "tensors", off, !offsets.has_value(), "out");
-  copy_all(out, tensors, off, /*to_flat=*/true, launch);
+  copy_all(out, tensors, off, /*to_flat=*/true, /*existing_dst=*/true, launch);
 }
 
 std::vector<at::Tensor> unflatten_impl(const at::Tensor& flat, at::TensorList like, at::OptionalIntArrayRef offsets,
@@ -143,7 +144,7 @@ std::vector<at::Tensor> unflatten_impl(const at::Tensor& flat, at::TensorList li
   std::vector<at::Tensor> out;
   out.reserve(like.size());
   for (const at::Tensor& t : like) out.push_back(at::empty(t.sizes(), t.options()));
-  copy_all(flat, out, off, /*to_flat=*/false, launch);
+  copy_all(flat, out, off, /*to_flat=*/false, /*existing_dst=*/false, launch);
   return out;
 }
 
@@ -153,7 +154,7 @@ void unflatten_into_impl(const at::Tensor& flat, at::TensorList targets, at::Opt
   check_list(targets, "targets", flat, "flat");
   const std::vector<int64_t> off = resolve_offsets(targets, "targets", offsets);
   check_fits(flat, targets, "targets", off, !offsets.has_value());
-  copy_all(flat, targets, off, /*to_flat=*/false, launch);
+  copy_all(flat, targets, off, /*to_flat=*/false, /*existing_dst=*/true, launch);
 }
 
 }  // namespace zerokern

@@ -20,6 +20,10 @@ struct CastList {
   const int64_t* numel = nullptr;
   const DType* src_dtypes = nullptr;
   const DType* dst_dtypes = nullptr;
+  // Write large destinations with non-temporal stores (csrc/cpu/cast_isa.inc):
+  // a win for existing buffers the caller will not read soon, a loss for
+  // freshly allocated ones (the OS just zeroed those pages into the cache).
+  bool stream = false;
 };
 
 // CPU: SIMD chosen at run time, elements split across num_threads OpenMP threads.

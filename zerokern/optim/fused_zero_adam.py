@@ -214,15 +214,18 @@ class FusedZeroAdam(torch.optim.Optimizer):
         return loss
 
     def _agree_on_grads(self, found_inf):
-        """(global had-grad flag per param, skip): one all-reduce MAX and one host read per step."""
+        """(global had-grad flag per param, skip). Distributed or with a GradScaler:
+        one all-reduce MAX and one host read per step; one process without a
+        scaler: neither (the flags are already on the host)."""
         n = len(self._steps)
-        local = torch.zeros(n + 1, dtype=torch.float32)
+        had = [False] * n
         for g in self.groups:
             for i, got in zip(g.indices, g.got):
-                if got:
-                    local[i] = 1.0
+                had[i] = had[i] or got
+        if not self.comm.distributed and found_inf is None:
+            return had, False
         device = self.groups[0].device if self.groups else torch.device("cpu")
-        flags = local.to(device)
+        flags = torch.tensor([float(h) for h in had] + [0.0], device=device)
         if found_inf is not None:
             flags[n] = found_inf.reshape(()).to(device)
         self.comm.wait(self.comm.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, name="grad_flags"))

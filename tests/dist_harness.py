@@ -1,5 +1,5 @@
-"""Run a function on N CPU processes joined by gloo, and fail (not hang) if
-one of them does not finish in time."""
+"""Run a function on N processes joined by a process group (gloo on CPUs;
+nccl for the GPU tests), and fail (not hang) if one of them does not finish in time."""
 
 import os
 import pickle
@@ -9,12 +9,15 @@ import traceback
 import torch.multiprocessing as mp
 
 
-def _entry(fn, rank, world, tmp, args):
+def _entry(fn, rank, world, tmp, args, backend):
+    import torch
     import torch.distributed as dist
 
     out = os.path.join(tmp, f"result{rank}.pkl")
     try:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=rank, world_size=world)
         result = ("ok", fn(rank, world, *args))
     except BaseException as e:  # noqa: BLE001  reported to the parent
         result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
@@ -26,11 +29,11 @@ def _entry(fn, rank, world, tmp, args):
         pass
 
 
-def run(fn, world, *args, timeout=120):
+def run(fn, world, *args, timeout=120, backend="gloo"):
     """[rank 0's result, rank 1's, ...]; a rank that raised gives ("error", text)."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_entry, args=(fn, r, world, tmp, args)) for r in range(world)]
+        procs = [ctx.Process(target=_entry, args=(fn, r, world, tmp, args, backend)) for r in range(world)]
         for p in procs:
             p.start()
         for p in procs:

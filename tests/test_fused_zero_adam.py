@@ -94,6 +94,37 @@ def test_resume_at_another_world_size(tmp_path):
 
 # --- single process ---------------------------------------------------------
 
+# (device, kernel backend): the GPU cases run wherever a CUDA device is visible.
+ON_DEVICE = [pytest.param("cpu", "cpu", id="cpu")] + [
+    pytest.param("cuda", b, id=f"cuda-{b}", marks=[pytest.mark.cuda, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA device")]) for b in ("cuda", "triton")]
+
+
+@pytest.fixture
+def one_thread_after():
+    threads = torch.get_num_threads()  # the worker bodies pin the process to one thread
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("device, backend", ON_DEVICE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_device_matches_adamw(device, backend, dtype, one_thread_after):
+    """One process, the whole model on `device`, many small buckets: same result as torch.optim.AdamW there."""
+    r = W.train_sharded(0, 1, dtype, 2, True, 0.001, 20, device=device, backend=backend)
+    assert r["buckets"] > 3
+    assert r["diff"] < TOL[dtype], r
+
+
+@pytest.mark.parametrize("device, backend", ON_DEVICE)
+def test_grad_scaler_overflow_skips_on_device(device, backend, one_thread_after):
+    """fp16 params with torch.amp.GradScaler on `device`: unscaling and the skip happen in the kernel."""
+    (c0, s0), (c1, s1), (c2, s2) = W.grad_scaler_skip(0, 1, device=device, backend=backend)
+    assert c0 and c2, "normal steps change the params"
+    assert not c1, "the overflowed step changed nothing"
+    assert s1 == s0 / 2 and s2 == s1, "the scaler backed off once"
+
+
 
 def _pair(dtype=torch.float32, **kw):
     a = W.make_model(dtype)

@@ -10,16 +10,17 @@ from zerokern import FusedZeroAdam
 BATCH, DIN, DHID, DOUT = 24, 13, 37, 7  # odd sizes: numel not divisible by the world size
 
 
-def make_model(dtype=torch.float32, seed=0):
+def make_model(dtype=torch.float32, seed=0, device="cpu"):
     torch.manual_seed(seed)
     m = torch.nn.Sequential(torch.nn.Linear(DIN, DHID), torch.nn.Tanh(), torch.nn.Linear(DHID, DHID),
                             torch.nn.Tanh(), torch.nn.Linear(DHID, DOUT))
-    return m.to(dtype)
+    return m.to(device=device, dtype=dtype)
 
 
-def batches(steps, seed=1):
+def batches(steps, seed=1, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(BATCH, DIN, generator=g), torch.randn(BATCH, DOUT, generator=g)) for _ in range(steps)]
+    return [(torch.randn(BATCH, DIN, generator=g).to(device), torch.randn(BATCH, DOUT, generator=g).to(device))
+            for _ in range(steps)]
 
 
 def loss_fn(model, x, y):
@@ -27,14 +28,14 @@ def loss_fn(model, x, y):
     return (model(x.to(dtype)).float() - y).square().mean()
 
 
-def reference(dtype, steps, lr=1e-2, wd=0.05, adam_w=True):
+def reference(dtype, steps, lr=1e-2, wd=0.05, adam_w=True, device="cpu"):
     """One process, full batch: torch.optim.AdamW on fp32 weights (master copies
     for fp16/bf16 models, written back after each step)."""
-    model = make_model(dtype)
+    model = make_model(dtype, device=device)
     masters = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
     cls = torch.optim.AdamW if adam_w else torch.optim.Adam
     opt = cls(masters, lr=lr, weight_decay=wd)
-    for x, y in batches(steps):
+    for x, y in batches(steps, device=device):
         model.zero_grad()
         loss_fn(model, x, y).backward()
         for m, p in zip(masters, model.parameters()):
@@ -46,17 +47,19 @@ def reference(dtype, steps, lr=1e-2, wd=0.05, adam_w=True):
     return model
 
 
-def train_sharded(rank, world, dtype, stage, overlap, bucket_cap_mb, steps, adam_w=True):
+def train_sharded(rank, world, dtype, stage, overlap, bucket_cap_mb, steps, adam_w=True, device="cpu", backend=None):
     torch.set_num_threads(1)
-    model = make_model(dtype)
+    if device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}"
+    model = make_model(dtype, device=device)
     opt = FusedZeroAdam(model.parameters(), lr=1e-2, weight_decay=0.05, zero_stage=stage, overlap_comm=overlap,
-                        bucket_cap_mb=bucket_cap_mb, adam_w_mode=adam_w)
+                        bucket_cap_mb=bucket_cap_mb, adam_w_mode=adam_w, **({"backend": backend} if backend else {}))
     per = BATCH // world
-    for x, y in batches(steps):
+    for x, y in batches(steps, device=device):
         opt.zero_grad()
         loss_fn(model, x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]).backward()
         opt.step()
-    ref = reference(dtype, steps, adam_w=adam_w)
+    ref = reference(dtype, steps, adam_w=adam_w, device=device)
     diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
     scale = max(b.float().abs().max().item() for b in ref.parameters())
     return {"diff": diff, "scale": scale, "buckets": len(opt.groups[0].layout.buckets),
@@ -139,19 +142,19 @@ def unused_params(rank, world):
     }
 
 
-def grad_scaler_skip(rank, world):
+def grad_scaler_skip(rank, world, device="cpu", backend=None):
     """fp16 params: an inf on rank 1 only skips the step on both ranks, and both scalers back off."""
     torch.set_num_threads(1)
-    model = make_model(torch.float16)
-    opt = FusedZeroAdam(model.parameters(), lr=1e-2, zero_stage=2)
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    model = make_model(torch.float16, device=device)
+    opt = FusedZeroAdam(model.parameters(), lr=1e-2, zero_stage=2, **({"backend": backend} if backend else {}))
+    scaler = torch.amp.GradScaler(torch.device(device).type, init_scale=1024.0)
     per = BATCH // world
     log = []
-    for step, (x, y) in enumerate(batches(3)):
+    for step, (x, y) in enumerate(batches(3, device=device)):
         before = [p.detach().clone() for p in model.parameters()]
         opt.zero_grad()
         loss = loss_fn(model, x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
-        if step == 1 and rank == 1:
+        if step == 1 and rank == world - 1:
             loss = loss * float("inf")
         scaler.scale(loss).backward()
         scaler.step(opt)

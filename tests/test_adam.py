@@ -165,6 +165,26 @@ def test_tensor_lr_and_step_equal_numbers(backend):
         assert torch.equal(x, y)
 
 
+@pytest.mark.triton
+@pytest.mark.skipif(ops.unavailable_backends().get("triton") is not None, reason="triton unavailable")
+def test_triton_reuses_its_pointer_table_across_steps():
+    """A training loop passes the same tensors every step: the device table is built once."""
+    from zerokern.backends import triton_common
+
+    device = device_for("triton")
+    state = make_state([300, 5000], torch.bfloat16, device, model_dtype=torch.bfloat16)
+    expected = clone_state(state)
+    run("triton", state, 1)
+    tables = dict(triton_common._BATCHES)
+    run("triton", state, 3)
+    assert triton_common._BATCHES.keys() == tables.keys()
+    assert all(triton_common._BATCHES[k] is b for k, b in tables.items()), "the same table objects"
+    run("torch", expected, 1)  # the same calls on the reference: the cached tables gave the right answer
+    run("torch", expected, 3)
+    for a, b in zip(state[0], expected[0]):
+        torch.testing.assert_close(a, b, rtol=TOL[torch.bfloat16][0], atol=TOL[torch.bfloat16][1])
+
+
 def test_cpu_results_do_not_depend_on_thread_count():
     state = make_state([200_000, 77], torch.bfloat16, "cpu", model_dtype=torch.float16)
     other = clone_state(state)

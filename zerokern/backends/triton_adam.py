@@ -2,7 +2,7 @@
 
 Multi-tensor without one launch per tensor: the tensors of a call are grouped
 by (grad dtype, model dtype); each group is one launch over the tiles of all
-its tensors (see triton_common.TileBatch). On a machine without a GPU it runs
+its tensors (see triton_common.tile_batch). On a machine without a GPU it runs
 under TRITON_INTERPRET=1 on CPU tensors (tests only: slow).
 """
 
@@ -12,7 +12,7 @@ import triton.language as tl
 
 from .._checks import check_adam_args
 from .hyper import AdamHyper, coefficients
-from .triton_common import TL_DTYPE, TileBatch, find_tensor, group_nonempty, to_bf16_rne
+from .triton_common import TL_DTYPE, find_tensor, group_nonempty, tile_batch, to_bf16_rne
 
 BLOCK = 1024
 
@@ -77,7 +77,7 @@ def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, model_params, h: AdamHyper
     keys = [(g.dtype, model_params[i].dtype if model_params else None) for i, g in enumerate(grads)]
     for (gdt, odt), idx in group_nonempty(params, keys).items():
         lists = [params, grads, exp_avgs, exp_avg_sqs] + ([model_params] if odt is not None else [])
-        b = TileBatch([[lst[i] for i in idx] for lst in lists], BLOCK, device)
+        b = tile_batch([[lst[i] for i in idx] for lst in lists], BLOCK, device)
         dummy = b.table  # stands in for absent pointer arguments (never read)
         _adam_kernel[(b.tiles,)](
             b.table, b.first_tile, b.numel, b.count,

@@ -3,10 +3,14 @@
 A launch covers a batch of tensors: their data pointers go in an int64 table,
 each tensor is cut into tiles of BLOCK elements, and a program finds its
 tensor by binary search over the tiles' prefix sums (find_tensor). The table
-is built on the host and copied to the device per call, so unlike the CUDA
-backend this path cannot be captured in a CUDA graph.
+is built on the host and copied to the device, once per distinct set of
+pointers and sizes (tile_batch keeps the last few: a training loop calls with
+the same tensors every step, so after the first step no copy is made). A call
+that misses the cache copies, so unlike the CUDA backend this path cannot be
+relied on inside a CUDA graph capture.
 """
 
+import collections
 import math
 
 import torch
@@ -42,6 +46,25 @@ class TileBatch:
         self.first_tile = meta[len(table): len(table) + self.count + 1]
         self.numel = meta[len(table) + self.count + 1:]
         self.search_steps = math.ceil(math.log2(self.count)) if self.count > 1 else 0
+
+
+_BATCHES = collections.OrderedDict()
+_CACHED_BATCHES = 64  # a model's dtype groups times a few buckets; each entry is a small device tensor
+
+
+def tile_batch(lists, block, device):
+    """The TileBatch for `lists`, reused while the pointers, sizes and device are the same.
+    Reuse is exact: the table holds nothing but those pointers and sizes."""
+    key = (tuple(t.data_ptr() for lst in lists for t in lst), tuple(t.numel() for t in lists[0]), block,
+           str(device))
+    batch = _BATCHES.get(key)
+    if batch is None:
+        batch = _BATCHES[key] = TileBatch(lists, block, device)
+        if len(_BATCHES) > _CACHED_BATCHES:
+            _BATCHES.popitem(last=False)
+    else:
+        _BATCHES.move_to_end(key)
+    return batch
 
 
 @triton.jit

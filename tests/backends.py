@@ -25,3 +25,9 @@ def _param(name):
 
 ALL = [_param(n) for n in ("cpu", "cuda", "triton", "torch")]
 KERNELS = [_param(n) for n in ("cpu", "cuda", "triton")]  # everything but the reference
+
+# (device, kernel backend) pairs for optimizer tests: the model on the CPU with
+# the cpu kernels, and on a GPU (where one is visible) with each GPU kernel.
+ON_DEVICE = [pytest.param("cpu", "cpu", id="cpu")] + [
+    pytest.param("cuda", b, id=f"cuda-{b}", marks=[pytest.mark.cuda, pytest.mark.skipif(
+        not HAS_CUDA, reason="needs a CUDA device")]) for b in ("cuda", "triton")]

@@ -1,4 +1,5 @@
-"""FusedZeroAdam on 1, 2 and 4 CPU processes (gloo) against single-process torch.optim."""
+"""FusedZeroAdam on 1, 2 and 4 CPU processes (gloo) against single-process torch.optim,
+and in one process on each device here."""
 
 import copy
 
@@ -7,6 +8,7 @@ import torch
 
 import dist_harness
 import zero_workers as W
+from backends import ON_DEVICE
 from zerokern import FusedZeroAdam
 
 # (rtol-free) absolute tolerances on params of order 0.1-1 after 20 steps at lr 1e-2:
@@ -93,11 +95,6 @@ def test_resume_at_another_world_size(tmp_path):
 
 
 # --- single process ---------------------------------------------------------
-
-# (device, kernel backend): the GPU cases run wherever a CUDA device is visible.
-ON_DEVICE = [pytest.param("cpu", "cpu", id="cpu")] + [
-    pytest.param("cuda", b, id=f"cuda-{b}", marks=[pytest.mark.cuda, pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="needs a CUDA device")]) for b in ("cuda", "triton")]
 
 
 @pytest.fixture

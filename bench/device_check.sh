@@ -32,7 +32,10 @@ stage() {  # stage NAME SECONDS CMD...: run under a time limit; whole output to 
   rc=$?
   tr '\r' '\n' < "$tmp" | grep -v -E "it/s\]|s/it\]" >> "$log"
   echo "== $name"; tr '\r' '\n' < "$tmp" | grep -v -E "it/s\]|s/it\]|^ *$" | tail -n 12
-  local line="$name: rc=$rc in $((SECONDS - t0)) s$([ "$rc" = 124 ] && echo " (stopped at its $limit s limit)")"
+  local why=""
+  [ "$rc" = 124 ] && why=" (stopped at its $limit s limit)"
+  [ "$rc" = 137 ] && why=" (killed: out of memory, or it ignored the stop at $limit s)"
+  local line="$name: rc=$rc in $((SECONDS - t0)) s$why"
   say "== $line"
   results+=("$line")
   [ "$rc" = 0 ] || status=1

@@ -70,6 +70,7 @@ class FlatGroup:
         self.reduced = False  # a reduction round has run since the last step
         self.sync = True  # False inside no_sync()
         self.overlap = True
+        self._bound = [None] * len(self.params)  # the bucket view each param's .grad was last set to
         self._bind_grads_all()
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)]
 
@@ -86,7 +87,7 @@ class FlatGroup:
 
     def _bind_grads_all(self):
         for i, p in enumerate(self.params):
-            p.grad = self._view(i)
+            p.grad = self._bound[i] = self._view(i)
 
     def _is_view(self, i):
         g = self.params[i].grad
@@ -101,7 +102,7 @@ class FlatGroup:
         if not self._is_view(i):
             view = self._view(i)
             view.copy_(p.grad)  # a fresh grad replaces (the old .grad was reset to None)
-            p.grad = view
+            p.grad = self._bound[i] = view
 
     def _hook(self, i):
         def hook(p):
@@ -115,9 +116,11 @@ class FlatGroup:
         return hook
 
     def adopt_manual_grads(self):
-        """Grads assigned by hand (no backward, so no hook): bring them into the buckets."""
-        for i, p in enumerate(self.params):
-            if p.grad is not None and not self._is_view(i):
+        """Grads assigned by hand (no backward, so no hook): bring them into the buckets.
+        Runs every step: a .grad that is still the view we bound is skipped on identity alone."""
+        for i, (p, bound) in enumerate(zip(self.params, self._bound)):
+            g = p.grad
+            if g is not None and g is not bound and not self._is_view(i):
                 self._adopt(i)
                 self.got[i] = True
                 self.ready[self.layout.slots[i].bucket].add(i)
@@ -180,6 +183,7 @@ class FlatGroup:
         """Stage 2 between steps: drop the full grad buffers (the .grad views go with them)."""
         for p in self.params:
             p.grad = None
+        self._bound = [None] * len(self.params)
         self.grad_full = [None] * len(self.grad_full)
         self.got = [False] * len(self.params)
 

@@ -3,6 +3,7 @@ parallelism with zerokern's fused kernels (see flat_group.py for the runtime).""
 
 import contextlib
 import hashlib
+import operator
 from dataclasses import dataclass
 from typing import Optional
 
@@ -123,6 +124,8 @@ class FusedZeroAdam(torch.optim.Optimizer):
             fg.overlap = self.config.overlap_comm
             self.groups.append(fg)
         self._piece_cache = {}
+        self._full_call_cache = {}  # id(FlatGroup) -> (its piece lists, lists per param group)
+        self._pickers = {}  # id(FlatGroup) -> itemgetter of its params' global indices
 
     # --- construction checks -----------------------------------------------
 
@@ -267,16 +270,23 @@ class FusedZeroAdam(torch.optim.Optimizer):
 
     def _update(self, g, had_grad, scale):
         g.ensure_master()
-        calls = {}  # (param group, step) -> lists for one fused call
-        for b in range(len(g.layout.buckets)):
-            for gi, master, grad, m, v, model in self._pieces(g, b):
-                if not had_grad[gi]:
-                    continue
-                lists = calls.setdefault((self._group_of[gi], self._steps[gi] + 1), ([], [], [], [], []))
-                for lst, t in zip(lists, (master, grad, m, v, model)):
-                    lst.append(t)
-        for i in set(g.indices):
-            if had_grad[i]:
+        pieces = [self._pieces(g, b) for b in range(len(g.layout.buckets))]
+        pick = self._pickers.get(id(g))
+        if pick is None:
+            pick = self._pickers[id(g)] = operator.itemgetter(*g.indices, g.indices[0])  # always a tuple
+        had, steps = pick(had_grad), pick(self._steps)
+        if all(had) and len(set(steps)) == 1:
+            # The usual step: every param had a grad and all are at the same step, so the
+            # calls are the same lists as last time (built once per layout of the pieces).
+            uniform_step = steps[0] + 1
+            calls = {(pg, uniform_step): lists for pg, lists in self._full_calls(g, pieces).items()}
+        else:
+            uniform_step = None
+            calls = _collect(pieces, lambda gi: (self._group_of[gi], self._steps[gi] + 1) if had_grad[gi] else None)
+        for i in g.indices:
+            if uniform_step is not None:
+                self._steps[i] = uniform_step
+            elif had_grad[i]:
                 self._steps[i] += 1
         for (pg, step), (masters, grads, ms, vs, models) in calls.items():
             group = self.param_groups[pg]
@@ -285,6 +295,15 @@ class FusedZeroAdam(torch.optim.Optimizer):
                         adam_w_mode=self.config.adam_w_mode, bias_correction=self.config.bias_correction,
                         grad_scale=scale, model_params=models if g.low_precision else None,
                         backend=self.config.backend)
+
+    def _full_calls(self, g, pieces):
+        """{param group: (masters, grads, ms, vs, models)} over all of g's pieces, cached
+        while the piece lists (see _pieces) are the same objects (the entry holds them, so
+        a rebuilt list is always a new object)."""
+        cached = self._full_call_cache.get(id(g))
+        if cached is None or len(cached[0]) != len(pieces) or any(a is not b for a, b in zip(cached[0], pieces)):
+            cached = self._full_call_cache[id(g)] = (tuple(pieces), _collect(pieces, self._group_of.__getitem__))
+        return cached[1]
 
     # --- state dicts (checkpoint.py) ---------------------------------------
 
@@ -336,6 +355,19 @@ class FusedZeroAdam(torch.optim.Optimizer):
             rep["comm_buffers"] += nbytes(g.grad_shard)
         rep["total"] = sum(rep.values())
         return rep
+
+
+def _collect(pieces, key_of):
+    """{key: (masters, grads, ms, vs, models)}: the pieces (see FusedZeroAdam._pieces) grouped by
+    key_of(global param index) into the lists of one fused call each; None leaves a piece out."""
+    calls = {}
+    for piece_list in pieces:
+        for gi, *tensors in piece_list:
+            key = key_of(gi)
+            if key is not None:
+                for lst, t in zip(calls.setdefault(key, ([], [], [], [], [])), tensors):
+                    lst.append(t)
+    return calls
 
 
 def _validated_groups(params):

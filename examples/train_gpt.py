@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from zerokern import FusedZeroAdam
+from zerokern.optim import exit_drain
 
 
 class Block(nn.Module):
@@ -156,6 +157,7 @@ def main():
         torch.cuda.set_device(device)
     if world > 1:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        exit_drain.register()  # for the DDP run as well (FusedZeroAdam registers it itself)
     if args.batch % (world * args.grad_accum):
         raise SystemExit(f"--batch {args.batch} must be divisible by world size {world} x --grad-accum {args.grad_accum}")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))

@@ -1,5 +1,6 @@
 """Run a function on N processes joined by a process group (gloo on CPUs;
-nccl for the GPU tests), and fail (not hang) if one of them does not finish in time."""
+nccl for the GPU tests), and fail (not hang) if one of them does not finish in
+time, or dies on its way out (a crash at exit fails a torchrun job too)."""
 
 import os
 import pickle
@@ -44,6 +45,9 @@ def run(fn, world, *args, timeout=120, backend="gloo"):
                 p.kill()
         if hung:
             raise TimeoutError(f"ranks {hung} did not finish within {timeout} s")
+        died = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode != 0}
+        if died:
+            raise AssertionError(f"rank processes exited abnormally (rank: exit code, -6 = SIGABRT): {died}")
         results = []
         for r in range(world):
             with open(os.path.join(tmp, f"result{r}.pkl"), "rb") as f:

@@ -72,6 +72,12 @@ def test_mismatched_params_fail_on_every_rank_without_hanging():
         assert status == "error" and "the ranks passed different parameters" in text
 
 
+def test_step_after_destroy_process_group_says_so():
+    for rank, (error, drain) in enumerate(dist_harness.values(dist_harness.run(W.step_after_destroy, 2))):
+        assert error is not None and f"on rank {rank}: torch.distributed's process groups were destroyed" in error
+        assert drain, "a distributed FusedZeroAdam installs the exit drain ([Note: exit drain])"
+
+
 def test_memory_report_shards_optimizer_state():
     world = 2
     results = dist_harness.values(dist_harness.run(W.train_sharded, world, torch.bfloat16, 2, True, 0.001, 2))

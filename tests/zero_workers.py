@@ -170,6 +170,26 @@ def mismatched_params(rank, world):
     return "built"
 
 
+def step_after_destroy(rank, world):
+    """A backward and a step after dist.destroy_process_group(): an error that says so.
+    Also: whether building the optimizer installed the exit drain."""
+    from zerokern.optim import exit_drain
+
+    model = make_model()
+    opt = FusedZeroAdam(model.parameters(), lr=1e-2)
+    drain = exit_drain._registered
+    (x, y), = batches(1)
+    loss_fn(model, x, y).backward()
+    opt.step()
+    dist.destroy_process_group()
+    try:
+        loss_fn(model, x, y).backward()
+        opt.step()
+    except RuntimeError as e:
+        return str(e), drain
+    return None, drain
+
+
 def checkpoint_save(rank, world, path, steps):
     """Train `steps` steps at this world size; rank 0 saves the model and the full optimizer state."""
     torch.set_num_threads(1)

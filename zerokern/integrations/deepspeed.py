@@ -17,15 +17,18 @@ DeepSpeedCPUAdam. Use FusedAdam, not FusedZeroAdam, here: FusedZeroAdam does
 its own sharding and communication, which DeepSpeed already does.
 """
 
-from ..optim import FusedAdam
+from ..optim import FusedAdam, exit_drain
 
 
 def register():
     """Adds FusedAdam to the optimizers DeepSpeed ZeRO accepts without
     "zero_allow_untested_optimizer" (DeepSpeed checks the exact type against
-    deepspeed.runtime.zero.utils.ZERO_SUPPORTED_OPTIMIZERS). Idempotent."""
+    deepspeed.runtime.zero.utils.ZERO_SUPPORTED_OPTIMIZERS). Idempotent.
+    Also installs the exit drain for DeepSpeed's collectives ([Note: exit drain]
+    in zerokern/optim/exit_drain.py)."""
     from deepspeed.runtime.zero import utils
 
+    exit_drain.register()
     if FusedAdam not in utils.ZERO_SUPPORTED_OPTIMIZERS:
         utils.ZERO_SUPPORTED_OPTIMIZERS.append(FusedAdam)
     return FusedAdam

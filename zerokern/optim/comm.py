@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from . import exit_drain
 
 # torch 2.14 renamed the flat-tensor collectives; 2.11 has only the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -44,12 +45,20 @@ class Comm:
         self.world_size = dist.get_world_size(process_group) if process_group is not None else 1
         self.rank = dist.get_rank(process_group) if process_group is not None else 0
         self.wait_seconds = 0.0  # host time spent waiting on collectives (bench/overlap.py reads it)
+        if self.distributed:
+            exit_drain.register()  # [Note: exit drain]
 
     @property
     def distributed(self):
         return self.world_size > 1
 
     def _label(self, name):
+        if not dist.is_initialized():
+            # Without this check a step after destroy_process_group() still runs its
+            # collectives on the shut-down group (torch keeps the object alive).
+            raise RuntimeError(f"zerokern: {name} on rank {self.rank}: torch.distributed's process groups were "
+                               "destroyed (dist.destroy_process_group()), but this optimizer still shards over "
+                               "one; build a new optimizer after init_process_group()")
         return record_function(f"zerokern::{name}") if self.distributed else nullcontext()
 
     def reduce_scatter(self, output, input, name="reduce_scatter"):
@@ -84,5 +93,6 @@ class Comm:
         if not self.distributed:
             return [obj]
         out = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        with self._label("gather_objects"):
+            dist.all_gather_object(out, obj, group=self.group)
         return out

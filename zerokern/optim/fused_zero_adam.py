@@ -228,7 +228,7 @@ class FusedZeroAdam(torch.optim.Optimizer):
         if not self.comm.distributed and found_inf is None:
             return had, False
         device = self.groups[0].device if self.groups else torch.device("cpu")
-        flags = torch.tensor([float(h) for h in had] + [0.0], device=device)
+        flags = torch.tensor(had + [False], dtype=torch.float32, device=device)  # the last: found_inf
         if found_inf is not None:
             flags[n] = found_inf.reshape(()).to(device)
         self.comm.wait(self.comm.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, name="grad_flags"))

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _harness as H  # noqa: E402
 
 from zerokern import ops  # noqa: E402
-from zerokern.backends.registry import PREFERENCE  # noqa: E402
+from zerokern.kernels.backends.registry import PREFERENCE  # noqa: E402
 
 BYTES_PER_PARAM = 28
 MANY = 200  # the "many" layout: the same params split into this many equal tensors

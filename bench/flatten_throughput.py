@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _harness as H  # noqa: E402
 
 from zerokern import ops  # noqa: E402
-from zerokern.backends.registry import PREFERENCE  # noqa: E402
+from zerokern.kernels.backends.registry import PREFERENCE  # noqa: E402
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors  # noqa: E402
 
 

@@ -114,7 +114,7 @@ def build(args, overlap, link):
     opt = FusedZeroAdam(model.parameters(), lr=1e-4, zero_stage=args.stage, overlap_comm=overlap,
                         bucket_cap_mb=args.bucket_cap_mb)
     sim = SimComm(opt.comm, link)
-    for obj in [opt] + opt.groups:
+    for obj in [opt, opt.schedule] + opt.schedule.buckets + opt.units:  # everything that holds the Comm
         obj.comm = sim
     return model, opt, sim
 
@@ -155,7 +155,7 @@ def worker(rank, world, args, store, out_path):
             loss.backward()
             compute.append(time.perf_counter() - t0)
     result = {"rank": rank, "compute_backward_s": statistics.median(compute),
-              "buckets": len(runs["overlap"][1].groups[0].layout.buckets)}
+              "buckets": len(runs["overlap"][1].schedule.buckets)}
     for name, rows in stats.items():
         result[name] = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     with open(f"{out_path}.{rank}", "w") as f:

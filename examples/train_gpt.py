@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from zerokern import FusedZeroAdam
-from zerokern.optim import exit_drain
+from zerokern.zero import exit_drain
 
 
 class Block(nn.Module):

@@ -169,7 +169,7 @@ def test_tensor_lr_and_step_equal_numbers(backend):
 @pytest.mark.skipif(ops.unavailable_backends().get("triton") is not None, reason="triton unavailable")
 def test_triton_reuses_its_pointer_table_across_steps():
     """A training loop passes the same tensors every step: the device table is built once."""
-    from zerokern.backends import triton_common
+    from zerokern.kernels.backends import triton_common
 
     device = device_for("triton")
     state = make_state([300, 5000], torch.bfloat16, device, model_dtype=torch.bfloat16)

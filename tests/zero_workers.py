@@ -62,9 +62,10 @@ def train_sharded(rank, world, dtype, stage, overlap, bucket_cap_mb, steps, adam
     ref = reference(dtype, steps, adam_w=adam_w, device=device)
     diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
     scale = max(b.float().abs().max().item() for b in ref.parameters())
-    return {"diff": diff, "scale": scale, "buckets": len(opt.groups[0].layout.buckets),
+    flat = opt.units[0].flat[0]
+    return {"diff": diff, "scale": scale, "buckets": len(flat.layout.buckets),
             "report": opt.memory_report(), "numel": sum(p.numel() for p in model.parameters()),
-            "padded_numel": opt.groups[0].layout.padded_numel}
+            "padded_numel": flat.layout.padded_numel}
 
 
 def no_sync_equals_big_batch(rank, world):
@@ -86,13 +87,13 @@ def no_sync_equals_big_batch(rank, world):
     (loss_fn(model, xs[sl], ys[sl]) * len(xs[sl]) / per).backward()  # reduces at the end
     ref = make_model()
     loss_fn(ref, x, y).backward()
-    g = opt.groups[0]
-    ref_grads = [p.grad for p in ref.parameters()][::-1]  # the group holds params in backward order
+    f = opt.units[0].flat[0]
+    ref_grads = [p.grad for p in ref.parameters()][::-1]  # the unit holds params in backward order
     worst = 0.0
-    for b, bucket in enumerate(g.layout.buckets):
-        full = flatten([ref_grads[i] for i in bucket.tensors], offsets=g.layout.offsets(b), numel=bucket.padded_numel)
-        start, end = g.layout.rank_range(g.rank, b)
-        worst = max(worst, (g.shard_grad(b) - full[start:end]).abs().max().item())
+    for b, bucket in enumerate(f.layout.buckets):
+        full = flatten([ref_grads[i] for i in bucket.tensors], offsets=f.layout.offsets(b), numel=bucket.padded_numel)
+        start, end = f.layout.rank_range(f.rank, b)
+        worst = max(worst, (f.buckets[b].reduced_grad() - full[start:end]).abs().max().item())
     opt.step()
     return worst
 
@@ -173,7 +174,7 @@ def mismatched_params(rank, world):
 def step_after_destroy(rank, world):
     """A backward and a step after dist.destroy_process_group(): an error that says so.
     Also: whether building the optimizer installed the exit drain."""
-    from zerokern.optim import exit_drain
+    from zerokern.zero import exit_drain
 
     model = make_model()
     opt = FusedZeroAdam(model.parameters(), lr=1e-2)

@@ -3,6 +3,8 @@
 from . import ops
 from .ops import available_backends, unavailable_backends
 from .optim import FusedAdam, FusedZeroAdam
+from .zero import OffloadPolicy, shard
 
-__all__ = ["ops", "FusedAdam", "FusedZeroAdam", "available_backends", "unavailable_backends"]
+__all__ = ["ops", "FusedAdam", "FusedZeroAdam", "OffloadPolicy", "shard", "available_backends",
+           "unavailable_backends"]
 __version__ = "0.1.0"

@@ -9,8 +9,8 @@ needs from a fast Adam.
 
 import torch
 
-from ..ops import fused_adam_
-from .fused_zero_adam import _check_hyper
+from ..kernels.ops import fused_adam_
+from .hyper import check_hyper as _check_hyper
 
 
 class FusedAdam(torch.optim.Optimizer):

@@ -1,187 +1,215 @@
-"""FusedZeroAdam: a torch.optim.Optimizer giving ZeRO stage 1/2 data
-parallelism with zerokern's fused kernels (see flat_group.py for the runtime)."""
+"""FusedZeroAdam: the optimizer over ZeRO shards.
+
+The units (zerokern/zero/unit.py) own params, buckets and hooks; the schedule
+(zero/schedule.py) owns the order and state of reductions; the shard stores
+(zero/store.py) own the fp32 master weights and Adam state. This class owns
+what torch.optim.Optimizer owns: param groups, per-param state (views into the
+stores, so torch's state-dict tools see it), the step counts, and step().
+docs/DESIGN.md has the whole picture.
+"""
 
 import contextlib
 import hashlib
 import operator
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
-from ..backends.registry import resolve
-from ..ops import fused_adam_
-from . import checkpoint
-from .comm import Comm
-from .flat_group import FlatGroup
+from ..kernels.backends.registry import resolve
+from ..kernels.ops import fused_adam_
+from ..zero import checkpoint
+from ..zero.api import make_unit, unit_of
+from ..zero.comm import Comm
+from ..zero.schedule import ReduceSchedule
+from ..zero.store import ShardStore
+from ..zero.unit import OffloadPolicy, ShardConfig
+from .hyper import check_hyper
 
 
 @dataclass(frozen=True)
-class ZeroConfig:
-    """The options that are not per-parameter-group hyper-parameters."""
+class StepOptions:
+    """The options of the update itself (the sharding options are the units' ShardConfig)."""
 
     adam_w_mode: bool = True
     bias_correction: bool = True
-    zero_stage: Optional[int] = None
-    bucket_cap_mb: float = 25.0
-    overlap_comm: bool = True
     max_grad_norm: Optional[float] = None
     backend: str = "auto"
 
     def __post_init__(self):
-        if self.zero_stage == 3:
-            raise ValueError("zero_stage=3 (sharded parameters) is not offered yet; use 0, 1 or 2")
-        if self.zero_stage not in (None, 0, 1, 2):
-            raise ValueError(f"zero_stage must be None, 0, 1 or 2, got {self.zero_stage!r}")
-        if not self.bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
-
-
-def _check_hyper(lr, betas, eps, weight_decay):
-    # torch.optim.Adam's checks and wording.
-    if not 0.0 <= lr:
-        raise ValueError(f"Invalid learning rate: {lr}")
-    if not 0.0 <= eps:
-        raise ValueError(f"Invalid epsilon value: {eps}")
-    if not 0.0 <= betas[0] < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
-    if not 0.0 <= betas[1] < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
-    if not 0.0 <= weight_decay:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if self.max_grad_norm is not None:
+            if isinstance(self.max_grad_norm, bool) or not isinstance(self.max_grad_norm, (int, float)):
+                raise TypeError(f"max_grad_norm must be a number or None, got {type(self.max_grad_norm).__name__}")
+            if not 0 < self.max_grad_norm < float("inf"):
+                raise ValueError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
 
 
 class FusedZeroAdam(torch.optim.Optimizer):
-    """Adam/AdamW with ZeRO stage 1/2 sharding and fused kernels.
+    """Adam/AdamW with ZeRO stage 0/1/2 sharding and fused kernels.
 
     FusedZeroAdam(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
                   adam_w_mode=True, bias_correction=True, zero_stage=None, process_group=None,
-                  bucket_cap_mb=25.0, overlap_comm=True, max_grad_norm=None, backend="auto")
+                  bucket_cap_mb=None, overlap_comm=None, max_grad_norm=None, backend="auto", offload=None)
 
     Semantics are torch.optim.AdamW's (adam_w_mode=True) or Adam's on the
     gradient averaged over the data-parallel group, as under DDP: per-parameter
     step counts; a parameter with no grad on any rank in a step is left
     unchanged; one with a grad on some ranks counts as a zero grad on the others.
 
-    zero_stage: None picks 2 when a process group of size > 1 is in use, else 0.
-    Stage 1 shards the fp32 master weights and Adam state; stage 2 also frees
-    the full gradient buffers between steps, keeping only this rank's reduced
-    shard. process_group: None uses the default group if torch.distributed is
-    initialized, else runs as one process.
+    Sharding: params sharded with zerokern.shard(module, ...) keep the options
+    given there. Other params form one unit built here with zero_stage (None:
+    2 when a process group of size > 1 is in use, else 0), process_group (None:
+    the default group if torch.distributed is initialized, else one process),
+    bucket_cap_mb (25), overlap_comm (True) and offload (None, or
+    zerokern.OffloadPolicy()). Stage 1 shards the fp32 master weights and Adam
+    state; stage 2 also frees the full gradient buffers after each step.
 
-    The parameters are moved into flat buckets: their .data becomes a view of
-    a bucket (values unchanged) and their .grad a view of a gradient bucket
-    that autograd accumulates into. zero_grad() zeroes those buffers instead of
-    setting .grad to None. fp32 parameters are updated in place, with no private
-    copy, so weights loaded into the model later (model.load_state_dict) are the
-    ones trained. fp16/bf16 parameters get fp32 master weights, created from the
-    parameters at the first step; after that they follow the optimizer's own
-    state (load_state_dict), and reload_master_weights() re-reads them from the
-    model after a model-only load.
+    The params are moved into flat buckets: their .data becomes a view of a
+    bucket (values unchanged) and their .grad a view of a gradient bucket that
+    autograd accumulates into. After backward, at stages 1 and 2, .grad holds
+    this rank's local (unreduced) gradient; at stage 0 the averaged one, as
+    DDP. Editing .grad between backward and step() is seen: the edited bucket
+    is reduced again ([Note: the local grads are the truth] in zero/bucket.py).
+    opt.state[p] holds views of this rank's slice of p (flattened) of
+    "exp_avg", "exp_avg_sq" and, for fp16/bf16 params, "master_param", with
+    "step" as in torch.optim.AdamW. fp32 params are their own master weights;
+    fp16/bf16 masters are read from the params at the first step, and
+    reload_master_weights() re-reads them after a model-only load.
 
     With torch.amp.GradScaler (fp16): scaler.scale(loss).backward();
     scaler.step(opt); scaler.update(). An inf/nan on any rank skips the step on
     every rank and every rank's scaler backs off alike; unscaling and the skip
     happen inside the fused kernel. Do not call scaler.unscale_(opt): clip with
-    max_grad_norm, which uses the global norm over all shards (one all-reduce)
-    inside the fused update; the last norm is in opt.last_grad_norm.
+    max_grad_norm, which uses the global norm over all shards inside the fused
+    update; the last norm is in opt.last_grad_norm.
     """
 
     _step_supports_amp_scaling = True  # GradScaler hands us grad_scale and found_inf
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *, adam_w_mode=True,
-                 bias_correction=True, zero_stage=None, process_group=None, bucket_cap_mb=25.0, overlap_comm=True,
-                 max_grad_norm=None, backend="auto"):
-        _check_hyper(lr, betas, eps, weight_decay)
-        self.config = ZeroConfig(adam_w_mode, bias_correction, zero_stage, bucket_cap_mb, overlap_comm, max_grad_norm,
-                                 backend)
+                 bias_correction=True, zero_stage=None, process_group=None, bucket_cap_mb=None, overlap_comm=None,
+                 max_grad_norm=None, backend="auto", offload=None):
+        check_hyper(lr, betas, eps, weight_decay)
+        self.options = StepOptions(adam_w_mode, bias_correction, max_grad_norm, backend)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        self._constructing = True
         super().__init__(_validated_groups(params), defaults)
+        self._constructing = False
         for g in self.param_groups:
-            _check_hyper(g["lr"], g["betas"], g["eps"], g["weight_decay"])
+            check_hyper(g["lr"], g["betas"], g["eps"], g["weight_decay"])
 
-        self.comm = Comm(process_group)
-        self.zero_stage = self.config.zero_stage if self.config.zero_stage is not None else (
-            2 if self.comm.world_size > 1 else 0)
         all_params = [p for g in self.param_groups for p in g["params"]]
-        self._index = {id(p): i for i, p in enumerate(all_params)}
-        self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
-        self._check_same_on_every_rank(all_params)
-        trainable = [(i, p) for i, p in enumerate(all_params) if p.requires_grad]
-        if trainable:
-            resolve(backend, trainable[0][1].device)  # an unknown or unusable backend fails here
-        self._steps = [0] * len(all_params)
-        self._queued = False
+        self._trainable = [p for p in all_params if p.requires_grad]
+        owned = list({id(u): u for u in (unit_of(p) for p in self._trainable) if u is not None}.values())
+        loose = [p for p in self._trainable if unit_of(p) is None]
+        self.comm, config = _sharding(owned, zero_stage, process_group, bucket_cap_mb, overlap_comm, offload)
+        self.zero_stage = config.stage
+        self._check_same_on_every_rank(all_params, config)
+        if self._trainable:
+            resolve(backend, self._trainable[0].device)  # an unknown or unusable backend fails here
+        index = {p: k for k, p in enumerate(all_params)}
+        for u in owned:
+            if u.schedule is not None:
+                raise ValueError(f"zerokern: unit '{u.name}' already belongs to another FusedZeroAdam; "
+                                 "build one optimizer over all of a model's params")
+            missing = [n for f in u.flat for p, n in zip(f.params, f.names) if p not in index]
+            if missing:
+                raise ValueError(f"zerokern: {missing[0]} (unit '{u.name}') is trainable but not in this "
+                                 "optimizer's params: pass all of the unit's params, or freeze it before shard()")
+        self.units = owned + ([make_unit(loose, [f"params[{index[p]}]" for p in loose], [0] * len(loose), self.comm,
+                                         config, "params")] if loose else [])
+
+        tindex = {p: k for k, p in enumerate(self._trainable)}
+        group_of = {p: gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
+        self._group_of = [group_of[p] for p in self._trainable]
+        # [Note: one collective order] in zero/schedule.py: buckets by when backward completes them.
+        placed = sorted(((f, b) for u in self.units for f in u.flat for b in range(len(f.buckets))),
+                        key=lambda fb: -min(index[fb[0].params[i]] for i in fb[0].layout.buckets[fb[1]].tensors))
+        self.schedule = ReduceSchedule([f.buckets[b] for f, b in placed], self.comm, config.overlap_comm,
+                                       self._share_overflow)
+        self._check_overflow = any(p.dtype == torch.float16 for p in self._trainable)
+        for u in self.units:
+            u.schedule = self.schedule
+        self.stores = [ShardStore(f, b, config.offload) for f, b in placed]
+        self._members = [[tindex[f.params[i]] for i in f.layout.buckets[b].tensors] for f, b in placed]
+        self._steps = [0] * len(self._trainable)
+        self._uniform_steps = True
+        self._step_tensors = []
+        self._pieces = [self._init_state(store, tindex) for store in self.stores]
+        self._calls = [_UniformCalls(store, pieces, self._group_of) for store, pieces in zip(self.stores, self._pieces)]
         self.last_grad_norm = None
-        self._check_overflow = any(p.dtype == torch.float16 for _, p in trainable)
-        self.groups = []
-        for dtype in sorted({p.dtype for _, p in trainable}, key=str):
-            members = [(i, p) for i, p in trainable if p.dtype == dtype]
-            fg = FlatGroup([p for _, p in members], [i for i, _ in members], self.comm, self.zero_stage,
-                           self.config.bucket_cap_mb * 2**20, self._on_backward)
-            fg.overlap = self.config.overlap_comm
-            self.groups.append(fg)
-        self._piece_cache = {}
-        self._full_call_cache = {}  # id(FlatGroup) -> (its piece lists, lists per param group)
-        self._pickers = {}  # id(FlatGroup) -> itemgetter of its params' global indices
+
+    def _init_state(self, store, tindex):
+        """self.state[p] for the params of one store: views of this rank's slice of each.
+        Returns [(trainable index, shard offset, numel)] of the slices, in shard order."""
+        f, b = store.flat, store.b
+        pieces = {pc.index: pc for pc in f.layout.rank_pieces(f.rank, b)}
+        out = []
+        for i in f.layout.buckets[b].tensors:
+            p = f.params[i]
+            pc = pieces.get(i)
+            off, n, start = (pc.shard_offset, pc.numel, pc.tensor_start) if pc else (0, 0, 0)
+            st = {"step": torch.zeros((), dtype=torch.float32), "exp_avg": store.exp_avg[off:off + n],
+                  "exp_avg_sq": store.exp_avg_sq[off:off + n]}
+            if store.separate_master:
+                st["master_param"] = store.master[off:off + n]
+            self.state[p] = st
+            self._step_tensors.append(st["step"])
+            out.append((tindex[p], off, n, start))
+        return out
+
+    def add_param_group(self, param_group):
+        if not self._constructing:
+            raise NotImplementedError(
+                "FusedZeroAdam.add_param_group after construction is not supported: its params would need new "
+                "buckets on every rank. Build the optimizer with all param groups (a group may start with lr=0)")
+        super().add_param_group(param_group)
 
     # --- construction checks -----------------------------------------------
 
-    def _check_same_on_every_rank(self, params):
+    def _check_same_on_every_rank(self, params, config):
         desc = repr([(tuple(p.shape), str(p.dtype), p.requires_grad) for p in params])
         mine = (hashlib.sha256(desc.encode()).hexdigest()[:16], len(params), sum(p.numel() for p in params),
-                self.zero_stage)
+                repr(config), repr(self.options))
         everyone = self.comm.gather_objects(mine)  # one collective, on every rank
         if any(other != everyone[0] for other in everyone):
-            lines = [f"rank {r}: {n} params, {numel} elements, zero_stage {s}, shapes/dtypes/order #{h}"
-                     for r, (h, n, numel, s) in enumerate(everyone)]
+            lines = [f"rank {r}: {n} params, {numel} elements, shapes/dtypes/order #{h}, {cfg}, {opts}"
+                     for r, (h, n, numel, cfg, opts) in enumerate(everyone)]
             raise ValueError("FusedZeroAdam: the ranks passed different parameters (shapes, dtypes or order) or "
                              "options; every rank must build the optimizer for the same model:\n  "
                              + "\n  ".join(lines))
 
     # --- backward ----------------------------------------------------------
 
-    def _on_backward(self):
-        if not self._queued:
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
-
-    def _finalize_backward(self):
-        self._queued = False
-        with torch.no_grad():
-            for g in self.groups:
-                g.finalize()
-            if self._check_overflow:
-                self._share_overflow()
-
     def _share_overflow(self):
-        """[Note: overflow on any rank] GradScaler checks each rank's local .grad;
-        an inf/nan may land in another rank's shard only. Check the reduced
-        shards, agree on one flag (all-reduce MAX) and, if set, write an inf into
-        a local grad, so every rank's scaler sees an overflow, skips and backs off."""
-        shards = [g.shard_grad(b) for g in self.groups for b in range(len(g.layout.buckets))]
+        """[Note: overflow on any rank] GradScaler checks each rank's local .grad; an
+        inf/nan may land in another rank's shard only. Check the reduced shards, agree on
+        one flag (all-reduce MAX) and, if set, write an inf into a local grad, so every
+        rank's scaler sees an overflow, skips and backs off."""
+        if not self._check_overflow or not self.stores:
+            return
+        shards = [s.bucket.reduced_grad() for s in self.stores]
         flag = torch.zeros((), device=shards[0].device)
         torch._amp_foreach_non_finite_check_and_unscale_(shards, flag, torch.ones((), device=flag.device))
         self.comm.wait(self.comm.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, name="overflow"))
-        for g in self.groups:
-            for i, p in enumerate(g.params):
+        for s in self.stores:
+            for i in s.bucket.plan.tensors:
+                p = s.flat.params[i]
                 if p.numel() and p.grad is not None:
-                    first = p.grad.view(-1)[:1]
-                    first.copy_(torch.where(flag > 0, torch.full_like(first, float("inf")), first))
+                    s.bucket.poke_overflow(p.grad.view(-1)[:1], flag)
                     return
 
     @contextlib.contextmanager
     def no_sync(self):
         """Backward passes inside accumulate locally, with no communication."""
-        for g in self.groups:
-            g.sync = False
+        before = [u.sync for u in self.units]
+        for u in self.units:
+            u.sync = False
         try:
             yield
         finally:
-            for g in self.groups:
-                g.sync = True
+            for u, s in zip(self.units, before):
+                u.sync = s
 
     # --- step --------------------------------------------------------------
 
@@ -196,120 +224,111 @@ class FusedZeroAdam(torch.optim.Optimizer):
         if found_inf is not None and grad_scale is None:
             raise RuntimeError("scaler.unscale_(optimizer) is not supported with FusedZeroAdam (the grads it "
                                "would unscale are already reduced); clip with FusedZeroAdam(max_grad_norm=...)")
-        for g in self.groups:
-            g.adopt_manual_grads()
-        if any(not g.reduced for g in self.groups):
-            for g in self.groups:  # every group, in order, so ranks issue the same collectives
-                g.finalize()
-        had_grad, skip = self._agree_on_grads(found_inf)
-        if not skip and any(had_grad):
+        self.schedule.reset()  # a backward that never finished
+        for u in self.units:
+            u.adopt_manual_grads()
+        had, needs, skip = self._agree(found_inf)
+        self.schedule.reduce(needs)
+        if not skip and any(had):
             scale = self._grad_scale_with_clipping(grad_scale)
-            for g in self.groups:
-                self._update(g, had_grad, scale)
-            for g in self.groups:
-                g.all_gather_params()
-        for g in self.groups:
-            g.reduced = False
-            if self.zero_stage == 2:
-                g.release_grads()
-            else:
-                g.got = [False] * len(g.params)
+            self._update(had, scale)
+            self._gather_params()
+        self.schedule.end_round(release=self.zero_stage == 2)
+        if self.zero_stage == 2:
+            for u in self.units:
+                for f in u.flat:
+                    f.unbind_released()
         return loss
 
-    def _agree_on_grads(self, found_inf):
-        """(global had-grad flag per param, skip). Distributed or with a GradScaler:
-        one all-reduce MAX and one host read per step; one process without a
-        scaler: neither (the flags are already on the host)."""
-        n = len(self._steps)
-        had = [False] * n
-        for g in self.groups:
-            for i, got in zip(g.indices, g.got):
-                had[i] = had[i] or got
+    def _agree(self, found_inf):
+        """(global had-grad flag per trainable param, which buckets to reduce, skip).
+        Distributed or with a GradScaler: one all-reduce MAX and one host read per step;
+        one process without a scaler: neither (the flags are already on the host)."""
+        buckets = self.schedule.buckets
+        if all(all(b.got) for b in buckets):
+            had = [True] * len(self._trainable)
+        else:
+            had = [False] * len(self._trainable)
+            for members, b in zip(self._members, buckets):
+                for t, got in zip(members, b.got):
+                    had[t] = had[t] or got
+        needs = self.schedule.local_needs()
         if not self.comm.distributed and found_inf is None:
-            return had, False
-        device = self.groups[0].device if self.groups else torch.device("cpu")
-        flags = torch.tensor(had + [False], dtype=torch.float32, device=device)  # the last: found_inf
+            return had, needs, False
+        n, m = len(had), len(needs)
+        device = self.stores[0].bucket.device if self.stores else torch.device("cpu")
+        flags = torch.tensor(had + needs + [False], dtype=torch.float32, device=device)  # the last: found_inf
         if found_inf is not None:
-            flags[n] = found_inf.reshape(()).to(device)
+            flags[n + m] = found_inf.reshape(()).to(device)
         self.comm.wait(self.comm.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, name="grad_flags"))
-        values = flags.tolist()
-        return [v > 0 for v in values[:n]], values[n] > 0
+        values = [v > 0 for v in flags.tolist()]
+        return values[:n], values[n:n + m], values[n + m]
 
     def _grad_scale_with_clipping(self, grad_scale):
         """The divisor of the reduced grads: the loss scale, times the clip factor."""
-        if self.config.max_grad_norm is None:
+        if self.options.max_grad_norm is None:
             self.last_grad_norm = None
             return grad_scale
-        shards = [g.shard_grad(b) for g in self.groups for b in range(len(g.layout.buckets))]
+        shards = [s.bucket.reduced_grad() for s in self.stores]
         sumsq = torch.stack([n.float() for n in torch._foreach_norm(shards)]).square().sum()
-        self.comm.wait(self.comm.all_reduce(sumsq, name="grad_norm"))
+        if self.comm.distributed and self.zero_stage >= 1:  # each rank holds a different part
+            self.comm.wait(self.comm.all_reduce(sumsq, name="grad_norm"))
         norm = sumsq.sqrt()
         if grad_scale is not None:
             norm = norm / grad_scale.float()
         self.last_grad_norm = norm
-        clip = torch.clamp(self.config.max_grad_norm / (norm + 1e-6), max=1.0)
+        clip = torch.clamp(self.options.max_grad_norm / (norm + 1e-6), max=1.0)
         base = grad_scale.float() if grad_scale is not None else torch.ones((), device=norm.device)
         return (base / clip).reshape(1)
 
-    def _pieces(self, g, b):
-        """Per piece of this rank's shard of bucket b: (global index, master, grad, m, v, model) views (cached)."""
-        master, grad = g.master_shard(b), g.shard_grad(b)
-        model = g.param_shard(b) if g.low_precision else None
-        key = (id(g), b)
-        ptrs = (master.data_ptr(), grad.data_ptr(), None if model is None else model.data_ptr())
-        cached = self._piece_cache.get(key)
-        if cached is None or cached[0] != ptrs:
-            views = []
-            for pc in g.layout.rank_pieces(g.rank, b):
-                sl = slice(pc.shard_offset, pc.shard_offset + pc.numel)
-                views.append((g.indices[pc.index], master[sl], grad[sl], g.exp_avg[b][sl], g.exp_avg_sq[b][sl],
-                              None if model is None else model[sl]))
-            cached = (ptrs, views)
-            self._piece_cache[key] = cached
-        return cached[1]
-
-    def _update(self, g, had_grad, scale):
-        g.ensure_master()
-        pieces = [self._pieces(g, b) for b in range(len(g.layout.buckets))]
-        pick = self._pickers.get(id(g))
-        if pick is None:
-            pick = self._pickers[id(g)] = operator.itemgetter(*g.indices, g.indices[0])  # always a tuple
-        had, steps = pick(had_grad), pick(self._steps)
-        if all(had) and len(set(steps)) == 1:
-            # The usual step: every param had a grad and all are at the same step, so the
-            # calls are the same lists as last time (built once per layout of the pieces).
-            uniform_step = steps[0] + 1
-            calls = {(pg, uniform_step): lists for pg, lists in self._full_calls(g, pieces).items()}
-        else:
-            uniform_step = None
-            calls = _collect(pieces, lambda gi: (self._group_of[gi], self._steps[gi] + 1) if had_grad[gi] else None)
-        for i in g.indices:
-            if uniform_step is not None:
-                self._steps[i] = uniform_step
-            elif had_grad[i]:
-                self._steps[i] += 1
-        for (pg, step), (masters, grads, ms, vs, models) in calls.items():
+    def _update(self, had, scale):
+        uniform = self._uniform_steps and all(had)
+        calls = {}  # (param group, step, with model params) -> (masters, grads, ms, vs, models)
+        for store, pieces, uc in zip(self.stores, self._pieces, self._calls):
+            if not store.master_valid:
+                store.refresh_master()
+            operands = store.operands()
+            if uniform:
+                for pg, lists in uc.lists(operands).items():
+                    _extend(calls, (pg, self._steps[0] + 1, operands[4] is not None), lists)
+            else:
+                for t, off, n, _ in pieces:
+                    if had[t]:
+                        views = [None if x is None else x[off:off + n] for x in operands]
+                        _extend(calls, (self._group_of[t], self._steps[t] + 1, operands[4] is not None),
+                                [None if v is None else [v] for v in views])
+        for (pg, step, low), (masters, grads, ms, vs, models) in calls.items():
             group = self.param_groups[pg]
             fused_adam_(masters, grads, ms, vs, lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
                         eps=group["eps"], weight_decay=group["weight_decay"], step=step,
-                        adam_w_mode=self.config.adam_w_mode, bias_correction=self.config.bias_correction,
-                        grad_scale=scale, model_params=models if g.low_precision else None,
-                        backend=self.config.backend)
+                        adam_w_mode=self.options.adam_w_mode, bias_correction=self.options.bias_correction,
+                        grad_scale=scale, model_params=models if low else None, backend=self.options.backend)
+        for store in self.stores:
+            store.finish()
+        if uniform:
+            self._steps = [s + 1 for s in self._steps]
+            torch._foreach_add_(self._step_tensors, 1.0)
+        else:
+            for t, h in enumerate(had):
+                if h:
+                    self._steps[t] += 1
+                    self.state[self._trainable[t]]["step"] += 1
+            self._uniform_steps = len(set(self._steps)) <= 1
 
-    def _full_calls(self, g, pieces):
-        """{param group: (masters, grads, ms, vs, models)} over all of g's pieces, cached
-        while the piece lists (see _pieces) are the same objects (the entry holds them, so
-        a rebuilt list is always a new object)."""
-        cached = self._full_call_cache.get(id(g))
-        if cached is None or len(cached[0]) != len(pieces) or any(a is not b for a, b in zip(cached[0], pieces)):
-            cached = self._full_call_cache[id(g)] = (tuple(pieces), _collect(pieces, self._group_of.__getitem__))
-        return cached[1]
+    def _gather_params(self):
+        if not (self.comm.distributed and self.zero_stage >= 1):
+            return
+        works = [self.comm.all_gather(s.flat.param_bufs.buffers[s.b], s.param_shard(), name=f"all_gather[{s.bucket.name}]")
+                 for s in self.stores]
+        for w in works:
+            self.comm.wait(w)
 
-    # --- state dicts (checkpoint.py) ---------------------------------------
+    # --- state dicts (zero/checkpoint.py) ------------------------------------
 
     def state_dict(self):
-        """This rank's shard: fp32 master weights and Adam state of the shard,
-        per-param steps, and the layout it belongs to."""
+        """This rank's shard in torch.optim.AdamW's format: per param, views of this rank's
+        slice (flattened) of "exp_avg", "exp_avg_sq" (and "master_param" for fp16/bf16
+        params), "step"; every param-group key; and under "zerokern" where the slices lie."""
         return checkpoint.shard_state_dict(self)
 
     def full_state_dict(self):
@@ -331,43 +350,92 @@ class FusedZeroAdam(torch.optim.Optimizer):
         accepted for compatibility): setting them to None would cut autograd
         off from the buckets. A parameter counts as having no grad until the
         next backward reaches it."""
-        for g in self.groups:
-            g.zero_grads()
+        self.schedule.zero()
 
     def reload_master_weights(self):
         """fp16/bf16 params: re-read the fp32 master weights from the model's
         params (after loading model weights without the optimizer's state)."""
-        for g in self.groups:
-            g.master = [None] * len(g.master)
-        self._piece_cache.clear()
+        for s in self.stores:
+            s.master_valid = not s.separate_master
 
     def memory_report(self):
         """Bytes this rank holds, by kind."""
-        def nbytes(ts):
-            return sum(t.numel() * t.element_size() for t in ts if t is not None)
-
         rep = {"params": 0, "master_params": 0, "adam_state": 0, "grads": 0, "comm_buffers": 0}
-        for g in self.groups:
-            rep["params"] += nbytes(g.param_bufs.buffers)
-            rep["master_params"] += nbytes(g.master) if g.low_precision else 0
-            rep["adam_state"] += nbytes(g.exp_avg) + nbytes(g.exp_avg_sq)
-            rep["grads"] += nbytes(g.grad_full)
-            rep["comm_buffers"] += nbytes(g.grad_shard)
+        for s in self.stores:
+            buf = s.flat.param_bufs.buffers[s.b]
+            rep["params"] += buf.numel() * buf.element_size()
+            for d in (s.nbytes(), s.bucket.nbytes()):
+                for k, v in d.items():
+                    rep[k] += v
         rep["total"] = sum(rep.values())
         return rep
 
 
-def _collect(pieces, key_of):
-    """{key: (masters, grads, ms, vs, models)}: the pieces (see FusedZeroAdam._pieces) grouped by
-    key_of(global param index) into the lists of one fused call each; None leaves a piece out."""
-    calls = {}
-    for piece_list in pieces:
-        for gi, *tensors in piece_list:
-            key = key_of(gi)
-            if key is not None:
-                for lst, t in zip(calls.setdefault(key, ([], [], [], [], [])), tensors):
-                    lst.append(t)
-    return calls
+class _UniformCalls:
+    """The usual step for one store (every param had a grad, one step count): the
+    kernel operands per param group. A store whose params are all in one param group
+    is one call over the whole shard (padding is zero and stays zero under Adam);
+    otherwise the shard is split at its params in one call (torch.split), each
+    param group picking its pieces."""
+
+    def __init__(self, store, pieces, group_of):
+        groups = [group_of[t] for t, _, n, _ in pieces if n]
+        self.single = groups[0] if groups and len(set(groups)) == 1 else None
+        self.empty = not groups
+        sizes, end = [], 0
+        for t, off, n, _ in pieces:
+            if n:
+                sizes += [off - end, n]
+                end = off + n
+        sizes.append(store.exp_avg.numel() - end)
+        self.sizes = sizes
+        self.pick = {}
+        k = 0
+        for t, off, n, _ in pieces:
+            if n:
+                self.pick.setdefault(group_of[t], []).append(2 * k + 1)
+                k += 1
+        self.pick = {g: operator.itemgetter(*idx, idx[0]) for g, idx in self.pick.items()}  # always a tuple
+
+    def lists(self, operands):
+        if self.empty:
+            return {}
+        if self.single is not None:
+            return {self.single: [None if x is None else [x] for x in operands]}
+        split = [None if x is None else x.split(self.sizes) for x in operands]
+        return {g: [None if s is None else pick(s)[:-1] for s in split] for g, pick in self.pick.items()}
+
+
+def _extend(calls, key, lists):
+    dst = calls.setdefault(key, ([], [], [], [], []))
+    for d, src in zip(dst, lists):
+        if src is not None:  # no model params (fp32)
+            d.extend(src)
+
+
+def _sharding(units, zero_stage, process_group, bucket_cap_mb, overlap_comm, offload):
+    """(Comm, ShardConfig) for the params: the units' own, or one from the arguments."""
+    if units:
+        configs = {u.config for u in units}
+        groups = {id(u.comm.group) for u in units}
+        if len(configs) > 1 or len(groups) > 1:
+            raise ValueError("zerokern: the params were sharded with different options or process groups: "
+                             + "; ".join(f"{u.name}: {u.config}" for u in units))
+        config = units[0].config
+        given = {"zero_stage": (zero_stage, config.stage), "bucket_cap_mb": (bucket_cap_mb, config.bucket_cap_mb),
+                 "overlap_comm": (overlap_comm, config.overlap_comm), "offload": (offload, config.offload)}
+        for name, (mine, theirs) in given.items():
+            if mine is not None and mine != theirs:
+                raise ValueError(f"zerokern: FusedZeroAdam({name}={mine!r}), but zerokern.shard() set {theirs!r} "
+                                 f"for these params; pass it to shard() only")
+        if process_group is not None and process_group is not units[0].comm.group:
+            raise ValueError("zerokern: FusedZeroAdam got another process_group than zerokern.shard(); pass it "
+                             "to shard() only")
+        return units[0].comm, config
+    comm = Comm(process_group)
+    stage = zero_stage if zero_stage is not None else (2 if comm.world_size > 1 else 0)
+    return comm, ShardConfig(stage, 25.0 if bucket_cap_mb is None else bucket_cap_mb,
+                             True if overlap_comm is None else overlap_comm, offload)
 
 
 def _validated_groups(params):
@@ -392,6 +460,9 @@ def _validated_groups(params):
                 raise TypeError(f"{where} is {p.dtype}; FusedZeroAdam trains floating-point params only")
             if p.dtype not in (torch.float32, torch.float16, torch.bfloat16) and p.requires_grad:
                 raise TypeError(f"{where} is {p.dtype}; expected float32, float16 or bfloat16")
+            if p.device.type == "meta" and p.requires_grad:
+                raise ValueError(f"{where} is on the meta device; materialise the model (to_empty() and "
+                                 "initialise it) before building the optimizer")
             if id(p) in seen:
                 raise ValueError(f"{where} is the same tensor as params[{seen[id(p)]}]; pass each parameter once")
             seen[id(p)] = k

@@ -17,7 +17,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from . import _ext  # noqa: F401  loads the compiled operators, if built
+from .. import _ext  # noqa: F401  loads the compiled operators, if built
 from .backends.registry import resolve
 
 

@@ -19,7 +19,7 @@ from typing import List, Sequence
 
 import torch
 
-from .flat_ops import flatten
+from ..kernels.flat_ops import flatten
 from .layout import FlatLayout
 
 

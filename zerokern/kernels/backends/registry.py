@@ -31,7 +31,7 @@ class Backend:
 
 
 def _ext():
-    from .. import _ext
+    from ... import _ext
 
     return _ext
 

@@ -98,12 +98,16 @@ def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-def plan_layout(numels: Sequence[int], world_size: int, bucket_cap: int, align: int = 16) -> FlatLayout:
+def plan_layout(numels: Sequence[int], world_size: int, bucket_cap: int, align: int = 16,
+                breaks: Sequence[int] = ()) -> FlatLayout:
     """Buckets for tensors of `numels` elements, taken in the order given.
 
     A bucket is closed when the next tensor would take it past bucket_cap
     elements; a tensor larger than the cap gets a bucket of its own. Empty
-    tensors take no space but still get a slot.
+    tensors take no space but still get a slot. `breaks`: tensor indices that
+    must start a new bucket (where the run of tensors is interrupted by
+    another unit's, so one bucket never waits on a gradient that backward
+    produces much later; see zerokern.zero.unit).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -127,9 +131,10 @@ def plan_layout(numels: Sequence[int], world_size: int, bucket_cap: int, align: 
             buckets.append(Bucket(len(buckets), tuple(members), end, padded, padded // world_size))
         members, end = [], 0
 
+    breaks = set(breaks)
     for i, n in enumerate(numels):
         offset = _round_up(end, align)
-        if members and offset + n > bucket_cap:
+        if members and (offset + n > bucket_cap or i in breaks):
             close()
             offset = 0
         slots.append(Slot(i, len(buckets), offset, n))

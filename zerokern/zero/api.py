@@ -1,0 +1,112 @@
+"""zerokern.shard(module): mark a module as a unit of ZeRO sharding, FSDP2's
+`fully_shard` shape.
+
+    for block in model.blocks:
+        zerokern.shard(block, stage=2)
+    zerokern.shard(model, stage=2)           # the rest: embeddings, final norm, head
+    opt = zerokern.FusedZeroAdam(model.parameters(), lr=3e-4)
+
+Each call flattens the module's trainable params that no unit inside it owns
+yet into buckets (their .data become views, values unchanged) and installs
+the gradient hooks; the module's class gains ZeroModule's methods
+(set_requires_gradient_sync, as FSDP2's, which Accelerate drives). The
+optimizer built over the params finds the units and reduces, updates and
+gathers them. Without shard(), FusedZeroAdam(params) makes one unit of the
+params itself.
+"""
+
+from typing import Dict, List, Optional
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .comm import Comm
+from .unit import OffloadPolicy, ShardConfig, ShardUnit
+
+# param -> the unit that owns it. Weak: a param that dies (or a deepcopy's new
+# param) is not in it; the unit holds its params strongly.
+_OWNER = WeakIdKeyDictionary()
+
+
+def unit_of(param: torch.Tensor) -> Optional[ShardUnit]:
+    return _OWNER.get(param)
+
+
+def make_unit(params, names, runs, comm: Comm, config: ShardConfig, name: str) -> ShardUnit:
+    for p, n in zip(params, names):
+        owner = _OWNER.get(p)
+        if owner is not None:
+            raise ValueError(f"zerokern: {n} is already sharded by unit '{owner.name}'")
+    unit = ShardUnit(params, names, runs, comm, config, name)
+    for p in unit.params:
+        _OWNER[p] = unit
+    return unit
+
+
+class ZeroModule:
+    """Methods a sharded module gains (its class becomes a subclass of this and of its own)."""
+
+    def zero_units(self) -> List[ShardUnit]:
+        """The units in this module (its own and those inside it), outermost first."""
+        return [m._zerokern_unit for m in self.modules() if isinstance(m, ZeroModule)]
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """False: backward passes accumulate grads locally with no communication (gradient
+        accumulation); the next synced backward or step() reduces them. As FSDP2's."""
+        units = self.zero_units() if recurse else [self._zerokern_unit]
+        for u in units:
+            u.sync = bool(requires_gradient_sync)
+
+
+def _forward_pre_hook(module, args):
+    # [Note: interrupted backward] in schedule.py: a new forward ends a backward that never finished.
+    unit = module._zerokern_unit
+    if unit.schedule is not None:
+        unit.schedule.reset()
+
+
+def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket_cap_mb: float = 25.0,
+          overlap_comm: bool = True, offload: Optional[OffloadPolicy] = None) -> torch.nn.Module:
+    """Make `module` a unit: its trainable params not owned by a unit inside it are
+    flattened into buckets that one FusedZeroAdam (built later over the params)
+    reduces, updates and gathers. Call it on each block, then on the root. Returns
+    `module` (the same object)."""
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"shard() takes an nn.Module, got {type(module).__name__}")
+    if isinstance(module, ZeroModule):
+        raise ValueError(f"{type(module).__name__} is already sharded (zerokern.shard was called on it)")
+    config = ShardConfig(stage, bucket_cap_mb, overlap_comm, offload)
+    params, names, runs, run, last_owned = [], [], [], 0, False
+    seen: Dict[int, bool] = {}
+    for name, p in module.named_parameters(remove_duplicate=True):
+        if id(p) in seen:
+            continue
+        seen[id(p)] = True
+        if unit_of(p) is not None:
+            last_owned = True
+            continue
+        if last_owned:
+            run += 1
+            last_owned = False
+        params.append(p)
+        names.append(name)
+        runs.append(run)
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise ValueError(f"zerokern.shard: the params of {type(module).__name__} are on {sorted(map(str, devices))}; "
+                         "move the module to one device first")
+    for p, n in zip(params, names):
+        if p.device.type == "meta":
+            raise ValueError(f"zerokern.shard: {n} is on the meta device; materialise the module first "
+                             "(module.to_empty(device=...) and initialise it)")
+    unit = make_unit(params, names, runs, Comm(process_group), config, type(module).__name__)
+    module._zerokern_unit = unit
+    module.register_forward_pre_hook(_forward_pre_hook)
+    cls = module.__class__
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"Zero{cls.__name__}", (ZeroModule, cls), {})
+    module.__class__ = _CLASSES[cls]
+    return module
+
+
+_CLASSES: Dict[type, type] = {}  # module class -> its ZeroModule subclass (one each, as FSDP2)

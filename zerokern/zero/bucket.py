@@ -1,0 +1,165 @@
+"""GradBucket: one bucket's gradient buffers and its reduction, and the one
+place that says what phase the bucket is in (BucketState).
+
+[Note: the local grads are the truth] A bucket's full buffer holds this rank's
+local gradients, exactly as autograd accumulated them (and as the user may have
+edited them). A reduction (the reduced shard at stages 1/2) is only a cached
+result of those local grads: it is valid while the buffer's version counter
+(Tensor._version, bumped by every in-place write: autograd's accumulation, a
+user's mask or clip) is the one recorded at launch. So a backward that was
+interrupted, a parameter whose hook fires twice in one backward (reentrant
+checkpointing, weights shared across segments) or a grad edited after backward
+never leaves a stale reduction behind: step() finds the version moved and
+reduces that bucket again (ReduceSchedule agrees on it across ranks first). At
+stage 0 the all-reduce works in place, so the buffer holds the average after
+the reduction: an edit after backward edits the average, as under DDP, and is
+kept; only a hook that fires after the launch (`rewritten`) calls for another
+all-reduce, which is exact because the average is the same on every rank
+(avg + local -> avg + avg(local)). A hook that fires while the in-place
+all-reduce runs cannot be repaired and raises (ShardUnit's hook).
+"""
+
+from typing import List, Optional
+
+import torch
+
+from ..zero.layout import Bucket, FlatLayout
+from .states import BucketState
+
+
+class GradBucket:
+    """Bucket `plan.index` of `layout`: its full grad buffer (allocated on first
+    use; released at stage 2 after the step) and, when sharded over ranks, this
+    rank's reduced shard (kept)."""
+
+    def __init__(self, layout: FlatLayout, plan: Bucket, dtype, device, comm, rank: int, sharded: bool, name: str):
+        self.layout, self.plan = layout, plan
+        self.dtype, self.device = dtype, device
+        self.comm, self.rank = comm, rank
+        self.sharded = sharded  # reduce-scatter into self.shard (stages 1/2, world > 1); else all-reduce in place
+        self.name = name  # for errors and profiler labels
+        self.full: Optional[torch.Tensor] = None
+        self.shard = torch.zeros(plan.shard_numel, dtype=dtype, device=device) if sharded else None
+        self.state = BucketState.IDLE
+        self.work = None
+        self.launched_version = None  # full._version when the current reduction was launched
+        self.rewritten = False  # a hook fired after the launch (reentrant checkpointing, shared weights)
+        self.ready = set()  # members whose hook ran in the current synced backward
+        self.got: List[bool] = [False] * len(plan.tensors)  # by position in plan.tensors: a grad since the round began
+        self._pos = {t: k for k, t in enumerate(plan.tensors)}
+
+    # --- buffers -------------------------------------------------------------
+
+    def full_buffer(self) -> torch.Tensor:
+        if self.full is None:
+            self.full = torch.zeros(self.plan.padded_numel, dtype=self.dtype, device=self.device)
+        return self.full
+
+    def view(self, index: int, shape) -> torch.Tensor:
+        """Tensor `index`'s grad as a view of the full buffer."""
+        s = self.layout.slots[index]
+        return self.full_buffer()[s.offset:s.offset + s.numel].view(shape)
+
+    def is_view(self, index: int, grad: Optional[torch.Tensor], shape) -> bool:
+        full = self.full
+        if grad is None or full is None or grad.shape != shape:
+            return False
+        s = self.layout.slots[index]
+        return grad.data_ptr() == full.data_ptr() + s.offset * full.element_size()
+
+    def reduced_grad(self) -> torch.Tensor:
+        """This rank's reduced (averaged) grad shard; valid in state REDUCED."""
+        if self.shard is not None:
+            return self.shard
+        start, end = self.layout.rank_range(self.rank, self.plan.index)
+        return self.full_buffer()[start:end]
+
+    # --- transitions -----------------------------------------------------------
+
+    def mark_got(self, index: int, synced: bool) -> None:
+        k = self._pos[index]
+        self.got[k] = True
+        if self.state is not BucketState.IDLE:
+            self.rewritten = True
+        if synced:
+            self.ready.add(index)
+
+    def complete(self) -> bool:
+        return len(self.ready) == len(self.plan.tensors)
+
+    def launch(self) -> None:
+        """IDLE/REDUCED -> IN_FLIGHT: members with no grad this round contribute zeros."""
+        self.wait()  # a re-launch waits out the previous collective on this buffer
+        full = self.full_buffer()
+        for k, i in enumerate(self.plan.tensors):
+            if not self.got[k]:
+                s = self.layout.slots[i]
+                full[s.offset:s.offset + s.numel].zero_()
+        self.ready.clear()
+        self.rewritten = False
+        self.launched_version = full._version
+        if self.sharded:
+            self.work = self.comm.reduce_scatter(self.shard, full, name=f"reduce_scatter[{self.name}]")
+        else:
+            self.work = self.comm.all_reduce(full, name=f"all_reduce[{self.name}]")
+        self.state = BucketState.IN_FLIGHT
+
+    def wait(self) -> None:
+        """IN_FLIGHT -> REDUCED: sums become averages."""
+        if self.state is not BucketState.IN_FLIGHT:
+            return
+        self.comm.wait(self.work)
+        self.work = None
+        if self.comm.distributed:
+            (self.shard if self.sharded else self.full).div_(self.comm.world_size)
+        if not self.sharded:
+            self.launched_version = self.full._version  # the average is now the local truth
+        self.state = BucketState.REDUCED
+
+    def stale(self) -> bool:
+        """The local grads were written after the reduction was launched (sharded only)."""
+        return (self.sharded and self.state is BucketState.REDUCED and self.full is not None
+                and self.full._version != self.launched_version)
+
+    def needs_reduction(self) -> bool:
+        """Not reduced this round though it has grads, or reduced before the grads moved."""
+        return (self.state is BucketState.IDLE and any(self.got)) or self.rewritten or self.stale()
+
+    def end_round(self) -> None:
+        """After step(): -> IDLE; the local grads stay (stage 1) until zero_grad()."""
+        self.wait()
+        self.state = BucketState.IDLE
+        self.ready.clear()
+        self.rewritten = False
+        self.got = [False] * len(self.got)
+
+    def zero(self) -> None:
+        """zero_grad(): -> IDLE with zeroed local grads."""
+        self.end_round()
+        if self.full is not None:
+            self.full.zero_()
+
+    def release(self) -> None:
+        """Stage 2 after step(): -> IDLE and the full buffer dropped (the .grad views go with it)."""
+        self.end_round()
+        self.full = None
+
+    def abandon(self) -> None:
+        """A backward that never finished: wait out its collective (every rank launched the same
+        ones) and keep the result only as long as the local grads do not move
+        ([Note: the local grads are the truth])."""
+        self.wait()
+        self.ready.clear()
+
+    def poke_overflow(self, first: torch.Tensor, flag: torch.Tensor) -> None:
+        """Write an inf into `first` (a member's first grad element) where flag > 0, so every
+        rank's GradScaler sees the overflow. Not a grad edit: the reduction stays valid."""
+        was_current = self.full is not None and self.full._version == self.launched_version
+        first.copy_(torch.where(flag > 0, torch.full_like(first, float("inf")), first))
+        if was_current:
+            self.launched_version = self.full._version
+
+    def nbytes(self) -> dict:
+        full = 0 if self.full is None else self.full.numel() * self.full.element_size()
+        shard = 0 if self.shard is None else self.shard.numel() * self.shard.element_size()
+        return {"grads": full, "comm_buffers": shard}

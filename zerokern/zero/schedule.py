@@ -1,0 +1,99 @@
+"""ReduceSchedule: one global order of every gradient bucket of every unit and
+dtype that an optimizer owns, and the backward state (BackwardState).
+
+[Note: one collective order] Every rank must issue the same collectives in the
+same order. The schedule puts all buckets in one list, ordered by when backward
+completes them (the lowest param index in the optimizer's param list last:
+[Note: bucket order] in unit.py), which every rank computes alike from the
+same params. A bucket is launched in backward only when it is complete and
+every bucket before it has been launched; the end-of-backward callback
+launches the rest, in order, complete or not. So a param with no grad on one
+rank, or one dtype finishing before another, never reorders collectives.
+
+[Note: interrupted backward] autograd drops the queued end-of-backward callback
+when backward raises. The schedule then stays RUNNING with collectives in
+flight. The next forward of a unit, zero_grad() or step() calls reset(): it
+waits out those collectives (every rank launched the same ones), and the
+version rule of bucket.py ([Note: the local grads are the truth]) decides
+whether their results are still valid when step() comes.
+"""
+
+from typing import Callable, List, Optional
+
+import torch
+
+from .bucket import GradBucket
+from .states import BackwardState
+
+
+class ReduceSchedule:
+    def __init__(self, buckets: List[GradBucket], comm, overlap: bool,
+                 after_backward: Optional[Callable[[], None]] = None):
+        self.buckets = buckets
+        self.comm = comm
+        self.overlap = overlap
+        self.after_backward = after_backward  # e.g. sharing an fp16 overflow across ranks
+        self.state = BackwardState.IDLE
+        self._next = 0  # buckets before this one were launched in the running backward
+        self._position = {id(b): k for k, b in enumerate(buckets)}
+
+    # --- backward ------------------------------------------------------------
+
+    def on_grad(self, bucket: GradBucket) -> None:
+        """A unit's hook saw a grad in a synced backward."""
+        if self.state is not BackwardState.RUNNING:
+            self.state = BackwardState.RUNNING
+            self._next = 0
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if self.overlap:
+            while self._next < len(self.buckets) and self.buckets[self._next].complete():
+                self.buckets[self._next].launch()
+                self._next += 1
+
+    def _end_of_backward(self) -> None:
+        with torch.no_grad():
+            for b in self.buckets[self._next:]:
+                b.launch()
+            for b in self.buckets:
+                b.wait()
+            self._next = 0
+            self.state = BackwardState.FINISHED
+            if self.after_backward is not None:
+                self.after_backward()
+
+    def reset(self) -> None:
+        """[Note: interrupted backward] A RUNNING backward whose callback never came: wait out
+        what it launched; nothing else changes. No-op otherwise."""
+        if self.state is BackwardState.RUNNING and torch._C._current_graph_task_id() == -1:
+            for b in self.buckets:
+                b.abandon()
+            self._next = 0
+            self.state = BackwardState.IDLE
+
+    # --- step ------------------------------------------------------------------
+
+    def local_needs(self) -> List[bool]:
+        """Per bucket, in order: does this rank need it reduced before the update?"""
+        return [b.needs_reduction() for b in self.buckets]
+
+    def reduce(self, needs: List[bool]) -> None:
+        """Launch the buckets that some rank needs reduced (the same list on every rank), then wait for all."""
+        with torch.no_grad():
+            for b, need in zip(self.buckets, needs):
+                if need:
+                    b.launch()
+            for b in self.buckets:
+                b.wait()
+
+    def end_round(self, release: bool) -> None:
+        for b in self.buckets:
+            b.release() if release else b.end_round()
+        self._next = 0
+        self.state = BackwardState.IDLE
+
+    def zero(self) -> None:
+        self.reset()
+        for b in self.buckets:
+            b.zero()
+        self._next = 0
+        self.state = BackwardState.IDLE

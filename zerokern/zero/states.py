@@ -1,0 +1,22 @@
+"""The named states of the ZeRO runtime. Each is changed by the methods of the
+one object that owns it (GradBucket for a bucket, ReduceSchedule for a
+backward); everything else reads it. docs/DESIGN.md draws the transitions."""
+
+import enum
+
+
+class BucketState(enum.Enum):
+    """Where one gradient bucket stands in the current reduction round (a round
+    ends at step() or zero_grad())."""
+
+    IDLE = "idle"  # not reduced in this round; the local buffer (if any) is the truth
+    IN_FLIGHT = "in_flight"  # its collective runs: nothing may read the result or write the input
+    REDUCED = "reduced"  # the reduced shard is valid for the local grads as they were at launch
+
+
+class BackwardState(enum.Enum):
+    """Where the optimizer's schedule stands between two steps."""
+
+    IDLE = "idle"  # no synced backward has fired a hook since the last step/zero_grad/reset
+    RUNNING = "running"  # hooks fired; the end-of-backward callback is queued (it may never run)
+    FINISHED = "finished"  # the callback ran: every bucket was launched, in the global order

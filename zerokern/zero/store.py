@@ -1,0 +1,73 @@
+"""ShardStore: the fp32 master weights and Adam state of one bucket's shard on
+this rank, where the unit's OffloadPolicy says they live.
+
+The optimizer's per-param state (self.state[p]) holds views into these
+tensors, so the store is the one copy. Where the store lives is decided here
+and only here: on the param's device, the fp32 param shard is its own master
+(no copy) and the kernel writes fp16/bf16 params in the same pass; with
+offload, the master is a separate fp32 copy in (pinned) CPU memory, the
+reduced grad is staged to the CPU before the update and the new param shard
+is copied back after it (stage() / finish()).
+"""
+
+from typing import Optional
+
+import torch
+
+from .bucket import GradBucket
+from .unit import FlatParams, OffloadPolicy
+
+
+class ShardStore:
+    def __init__(self, flat: FlatParams, b: int, offload: Optional[OffloadPolicy]):
+        self.flat, self.b = flat, b
+        self.bucket: GradBucket = flat.buckets[b]
+        param_shard = flat.param_shard(b)
+        self.device = offload.device if offload is not None else param_shard.device
+        pin = offload is not None and offload.pin_memory and torch.cuda.is_available()
+        n = param_shard.numel()
+
+        def alloc(dtype=torch.float32):
+            return torch.zeros(n, dtype=dtype, device=self.device, pin_memory=pin)
+
+        self.exp_avg, self.exp_avg_sq = alloc(), alloc()
+        self.offloaded = self.device != param_shard.device
+        self.low_precision = param_shard.dtype != torch.float32
+        # The param shard is its own fp32 master only on its own device.
+        self.separate_master = self.low_precision or self.offloaded
+        self.master = alloc() if self.separate_master else param_shard
+        # The kernel writes low-precision params into this (on the store's device).
+        self.staging = alloc(param_shard.dtype) if (self.offloaded and self.low_precision) else None
+        self.refresh_master()  # so a state dict taken before the first step holds the weights
+        # A separate master is read again at the first step: weights loaded into the model
+        # between construction and the first step are the ones trained.
+        self.master_valid = not self.separate_master
+
+    def param_shard(self) -> torch.Tensor:
+        return self.flat.param_shard(self.b)
+
+    def refresh_master(self) -> None:
+        """Re-read a separate fp32 master from the params (before the first step, or after a
+        model-only load: FusedZeroAdam.reload_master_weights)."""
+        if self.separate_master:
+            self.master.copy_(self.param_shard())
+        self.master_valid = True
+
+    def operands(self):
+        """(master, grad, exp_avg, exp_avg_sq, model) for the fused kernel over this shard."""
+        grad = self.bucket.reduced_grad()
+        if self.offloaded:
+            grad = grad.to(self.device, non_blocking=True)
+        model = None
+        if self.low_precision:
+            model = self.staging if self.offloaded else self.param_shard()
+        return self.master, grad, self.exp_avg, self.exp_avg_sq, model
+
+    def finish(self) -> None:
+        """After the kernel: an offloaded store sends the new params back."""
+        if self.offloaded:
+            self.param_shard().copy_(self.staging if self.low_precision else self.master, non_blocking=True)
+
+    def nbytes(self) -> dict:
+        return {"master_params": self.master.numel() * 4 if self.separate_master else 0,
+                "adam_state": (self.exp_avg.numel() + self.exp_avg_sq.numel()) * 4}

@@ -1,0 +1,182 @@
+"""ShardUnit: the parameters of one module (or one param list), flattened into
+buckets per dtype, with the gradient hooks that feed those buckets.
+
+A unit owns, for each dtype among its trainable params, one FlatParams: the
+bucket plan (FlatLayout), the param buffers whose views the params' .data
+become, and one GradBucket per bucket. It owns its hooks and removes them. It
+does not decide when a bucket is reduced: that is the ReduceSchedule's job
+(one per optimizer, over all of its units), which the unit reports grads to.
+
+[Note: bucket order] Backward produces grads in about the reverse of the
+order modules register their params. A unit lays out its params in that
+reverse order, and starts a new bucket wherever another unit's params lie
+between two of its own (`breaks`): a root unit holding both the embedding
+(whose grad comes last) and the final norm (whose grad comes first) then has
+them in different buckets, and the final norm's bucket can be reduced early.
+"""
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+
+from .bucket import GradBucket
+from .layout import plan_layout
+from .states import BucketState
+from .storage import FlatBuffers
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """Keep the fp32 master weights and Adam state in (pinned) CPU memory; the
+    update runs there with zerokern's CPU kernel (the reduced grad shard is
+    copied over, the updated param shard back)."""
+
+    pin_memory: bool = True
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class ShardConfig:
+    """How a unit is sharded. stage: 0 (replicated, all-reduce, as DDP), 1
+    (optimizer state sharded), 2 (gradients too: full buffers freed after the step)."""
+
+    stage: int = 2
+    bucket_cap_mb: float = 25.0
+    overlap_comm: bool = True
+    offload: Optional[OffloadPolicy] = None
+    align: int = 16
+
+    def __post_init__(self):
+        if self.stage == 3:
+            raise ValueError("zero_stage=3 (sharded parameters) is not offered yet; use 0, 1 or 2")
+        if isinstance(self.stage, bool) or self.stage not in (0, 1, 2):
+            raise ValueError(f"zero_stage must be None, 0, 1 or 2, got {self.stage!r}")
+        if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, (int, float)):
+            raise TypeError(f"bucket_cap_mb must be a number, got {type(self.bucket_cap_mb).__name__}")
+        if not 0 < self.bucket_cap_mb < float("inf"):
+            raise ValueError(f"bucket_cap_mb must be > 0 and finite, got {self.bucket_cap_mb}")
+        if not isinstance(self.overlap_comm, bool):
+            raise TypeError(f"overlap_comm must be True or False, got {self.overlap_comm!r}")
+        if self.offload is not None and not isinstance(self.offload, OffloadPolicy):
+            raise TypeError(f"offload must be None or a zerokern.OffloadPolicy, got {type(self.offload).__name__}")
+
+
+class FlatParams:
+    """One dtype's trainable params of a unit (in backward order), their buffers and grad buckets."""
+
+    def __init__(self, params, names, breaks, comm, config: ShardConfig, unit_name: str):
+        self.params, self.names = params, names
+        self.dtype, self.device = params[0].dtype, params[0].device
+        self.sharded = config.stage >= 1
+        shard_world = comm.world_size if self.sharded else 1
+        self.rank = comm.rank if self.sharded else 0
+        cap = max(1, int(config.bucket_cap_mb * 2**20 // params[0].element_size()))
+        self.layout = plan_layout([p.numel() for p in params], shard_world, cap, config.align, breaks)
+        self.param_bufs = FlatBuffers.from_tensors(params, self.layout)
+        self.param_bufs.bind_params(params)
+        reduce_scatter = self.sharded and comm.distributed
+        dt = str(self.dtype).replace("torch.", "")
+        self.buckets = [GradBucket(self.layout, b, self.dtype, self.device, comm, self.rank, reduce_scatter,
+                                   f"{unit_name}:{dt}:{b.index}") for b in self.layout.buckets]
+        self.bound: List[Optional[torch.Tensor]] = [None] * len(params)  # the view each .grad was last set to
+        for i, p in enumerate(params):
+            self.bind_grad(i)
+
+    def bucket_of(self, i: int) -> GradBucket:
+        return self.buckets[self.layout.slots[i].bucket]
+
+    def bind_grad(self, i: int) -> None:
+        """params[i].grad becomes its bucket view, holding the grad it has now (if any)."""
+        p, bucket = self.params[i], self.bucket_of(i)
+        if bucket.is_view(i, p.grad, p.shape):
+            return
+        view = bucket.view(i, p.shape)
+        if p.grad is not None:
+            view.copy_(p.grad)  # a fresh grad from autograd, or one assigned by hand
+        p.grad = self.bound[i] = view
+
+    def param_shard(self, b: int) -> torch.Tensor:
+        return self.param_bufs.shard(self.rank, b)
+
+    def unbind_released(self) -> None:
+        """After the full grad buffers were released: the .grad views go too."""
+        for i, p in enumerate(self.params):
+            if self.bucket_of(i).full is None:
+                p.grad = self.bound[i] = None
+
+
+class ShardUnit:
+    """The trainable params of one module (not those of units inside it), flattened per dtype."""
+
+    def __init__(self, params: Sequence[torch.Tensor], names: Sequence[str], runs: Sequence[int], comm,
+                 config: ShardConfig, name: str):
+        """params/names/runs in registration order; runs[k] numbers the stretch of the
+        module's params (between other units' params) that params[k] belongs to."""
+        self.comm, self.config, self.name = comm, config, name
+        self.schedule = None  # the ReduceSchedule of the optimizer that owns this unit, once one does
+        self.sync = True  # False: backward accumulates locally (no_sync / set_requires_gradient_sync(False))
+        self.flat: List[FlatParams] = []
+        trainable = [k for k, p in enumerate(params) if p.requires_grad]
+        for dtype in sorted({params[k].dtype for k in trainable}, key=str):
+            ks = [k for k in trainable if params[k].dtype == dtype][::-1]  # backward order
+            breaks = [j for j in range(1, len(ks)) if runs[ks[j]] != runs[ks[j - 1]]]
+            self.flat.append(FlatParams([params[k] for k in ks], [names[k] for k in ks], breaks, comm, config, name))
+        self._where = {}
+        for f in self.flat:
+            for i, p in enumerate(f.params):
+                self._where[p] = (f, i)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook(f, i))
+                       for f in self.flat for i, p in enumerate(f.params)]
+
+    @property
+    def params(self) -> List[torch.Tensor]:
+        return [p for f in self.flat for p in f.params]
+
+    def locate(self, p):
+        """(FlatParams, local index) of a trainable param of this unit, or None."""
+        return self._where.get(p)
+
+    @property
+    def buckets(self) -> List[GradBucket]:
+        return [b for f in self.flat for b in f.buckets]
+
+    def _hook(self, f: FlatParams, i: int):
+        def hook(p):
+            bucket = f.bucket_of(i)
+            if bucket.state is BucketState.IN_FLIGHT and not bucket.sharded:
+                # Stage 0 all-reduces in place, and autograd has just added into the buffer
+                # while the collective was summing it: that cannot be undone.
+                raise RuntimeError(
+                    f"zerokern: {f.names[i]} got another gradient while its bucket was being all-reduced "
+                    "(a reentrant checkpoint segment or shared weights reached it twice in one backward). "
+                    "At zero_stage=0 that cannot be reduced correctly: use zero_stage=1 or 2, "
+                    "overlap_comm=False, or use_reentrant=False")
+            f.bind_grad(i)
+            bucket.mark_got(i, self.sync)
+            if self.schedule is not None and self.sync:
+                self.schedule.on_grad(bucket)
+        return hook
+
+    def adopt_manual_grads(self) -> None:
+        """Grads assigned by hand (no backward, so no hook) move into the buckets.
+        A .grad that is still the view bound last is skipped on identity alone."""
+        for f in self.flat:
+            for i, (p, bound) in enumerate(zip(f.params, f.bound)):
+                g = p.grad
+                if g is not None and g is not bound and not f.bucket_of(i).is_view(i, g, p.shape):
+                    f.bind_grad(i)
+                    f.bucket_of(i).mark_got(i, False)
+
+    def rebind_grads(self) -> None:
+        for f in self.flat:
+            for i in range(len(f.params)):
+                f.bind_grad(i)
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

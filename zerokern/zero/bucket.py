@@ -15,8 +15,9 @@ stage 0 the all-reduce works in place, so the buffer holds the average after
 the reduction: an edit after backward edits the average, as under DDP, and is
 kept; only a hook that fires after the launch (`rewritten`) calls for another
 all-reduce, which is exact because the average is the same on every rank
-(avg + local -> avg + avg(local)). A hook that fires while the in-place
-all-reduce runs cannot be repaired and raises (ShardUnit's hook).
+(avg + local -> avg + avg(local)). A grad that arrives while its bucket's
+collective runs waits for it before autograd adds it in (ShardUnit's pre-hook),
+so no write ever races a collective.
 """
 
 from typing import List, Optional

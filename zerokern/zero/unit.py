@@ -129,8 +129,9 @@ class ShardUnit:
         for f in self.flat:
             for i, p in enumerate(f.params):
                 self._where[p] = (f, i)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._hook(f, i))
-                       for f in self.flat for i, p in enumerate(f.params)]
+        self._hooks = [h for f in self.flat for i, p in enumerate(f.params)
+                       for h in (p.register_hook(self._pre_hook(f, i)),
+                                 p.register_post_accumulate_grad_hook(self._hook(f, i)))]
 
     @property
     def params(self) -> List[torch.Tensor]:
@@ -144,17 +145,20 @@ class ShardUnit:
     def buckets(self) -> List[GradBucket]:
         return [b for f in self.flat for b in f.buckets]
 
+    def _pre_hook(self, f: FlatParams, i: int):
+        def pre_hook(grad):
+            # Runs before autograd adds `grad` into the bucket. A bucket still in flight here was
+            # launched before this grad came (a reentrant checkpoint segment or shared weights
+            # reaching the param twice, or a backward after an interrupted one): wait for it
+            # first, so the add never races the collective ([Note: the local grads are the truth]).
+            bucket = f.bucket_of(i)
+            if bucket.state is BucketState.IN_FLIGHT:
+                bucket.wait()
+        return pre_hook
+
     def _hook(self, f: FlatParams, i: int):
         def hook(p):
             bucket = f.bucket_of(i)
-            if bucket.state is BucketState.IN_FLIGHT and not bucket.sharded:
-                # Stage 0 all-reduces in place, and autograd has just added into the buffer
-                # while the collective was summing it: that cannot be undone.
-                raise RuntimeError(
-                    f"zerokern: {f.names[i]} got another gradient while its bucket was being all-reduced "
-                    "(a reentrant checkpoint segment or shared weights reached it twice in one backward). "
-                    "At zero_stage=0 that cannot be reduced correctly: use zero_stage=1 or 2, "
-                    "overlap_comm=False, or use_reentrant=False")
             f.bind_grad(i)
             bucket.mark_got(i, self.sync)
             if self.schedule is not None and self.sync:

@@ -134,7 +134,9 @@ class FusedZeroAdam(torch.optim.Optimizer):
         self._members = [[tindex[f.params[i]] for i in f.layout.buckets[b].tensors] for f, b in placed]
         self._steps = [0] * len(self._trainable)
         self._uniform_steps = True
-        self._step_tensors = []
+        # Every param's "step" is a 0-dim view of this one tensor, so the usual step counts
+        # up with one op (torch._foreach_add_ over 0-dim CPU tensors costs ~7 us each).
+        self._step_buffer = torch.zeros(len(self._trainable), dtype=torch.float32)
         self._pieces = [self._init_state(store, tindex) for store in self.stores]
         self._calls = [_UniformCalls(store, pieces, self._group_of) for store, pieces in zip(self.stores, self._pieces)]
         self.last_grad_norm = None
@@ -149,12 +151,11 @@ class FusedZeroAdam(torch.optim.Optimizer):
             p = f.params[i]
             pc = pieces.get(i)
             off, n, start = (pc.shard_offset, pc.numel, pc.tensor_start) if pc else (0, 0, 0)
-            st = {"step": torch.zeros((), dtype=torch.float32), "exp_avg": store.exp_avg[off:off + n],
+            st = {"step": self._step_buffer[tindex[p]], "exp_avg": store.exp_avg[off:off + n],
                   "exp_avg_sq": store.exp_avg_sq[off:off + n]}
             if store.separate_master:
                 st["master_param"] = store.master[off:off + n]
             self.state[p] = st
-            self._step_tensors.append(st["step"])
             out.append((tindex[p], off, n, start))
         return out
 
@@ -307,12 +308,10 @@ class FusedZeroAdam(torch.optim.Optimizer):
             store.finish()
         if uniform:
             self._steps = [s + 1 for s in self._steps]
-            torch._foreach_add_(self._step_tensors, 1.0)
+            self._step_buffer += 1
         else:
-            for t, h in enumerate(had):
-                if h:
-                    self._steps[t] += 1
-                    self.state[self._trainable[t]]["step"] += 1
+            self._steps = [s + h for s, h in zip(self._steps, had)]
+            self._step_buffer += torch.tensor(had, dtype=torch.float32)
             self._uniform_steps = len(set(self._steps)) <= 1
 
     def _gather_params(self):

@@ -57,7 +57,9 @@ class ShardStore:
         """(master, grad, exp_avg, exp_avg_sq, model) for the fused kernel over this shard."""
         grad = self.bucket.reduced_grad()
         if self.offloaded:
-            grad = grad.to(self.device, non_blocking=True)
+            # Blocking: the CPU kernel reads it right away (an async device-to-host copy
+            # would need an event wait first; overlapping these copies is future work).
+            grad = grad.to(self.device)
         model = None
         if self.low_precision:
             model = self.staging if self.offloaded else self.param_shard()
@@ -66,7 +68,8 @@ class ShardStore:
     def finish(self) -> None:
         """After the kernel: an offloaded store sends the new params back."""
         if self.offloaded:
-            self.param_shard().copy_(self.staging if self.low_precision else self.master, non_blocking=True)
+            # Blocking too: the next update writes the staging buffer again.
+            self.param_shard().copy_(self.staging if self.low_precision else self.master)
 
     def nbytes(self) -> dict:
         return {"master_params": self.master.numel() * 4 if self.separate_master else 0,

@@ -48,6 +48,7 @@ class GradBucket:
         self.ready = set()  # members whose hook ran in the current synced backward
         self.got: List[bool] = [False] * len(plan.tensors)  # by position in plan.tensors: a grad since the round began
         self._pos = {t: k for k, t in enumerate(plan.tensors)}
+        self._range = layout.rank_range(rank, plan.index)  # this rank's [start, end) of the bucket
 
     # --- buffers -------------------------------------------------------------
 
@@ -72,7 +73,7 @@ class GradBucket:
         """This rank's reduced (averaged) grad shard; valid in state REDUCED."""
         if self.shard is not None:
             return self.shard
-        start, end = self.layout.rank_range(self.rank, self.plan.index)
+        start, end = self._range
         return self.full_buffer()[start:end]
 
     # --- transitions -----------------------------------------------------------

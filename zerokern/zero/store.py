@@ -22,7 +22,7 @@ class ShardStore:
     def __init__(self, flat: FlatParams, b: int, offload: Optional[OffloadPolicy]):
         self.flat, self.b = flat, b
         self.bucket: GradBucket = flat.buckets[b]
-        param_shard = flat.param_shard(b)
+        param_shard = self._param_shard = flat.param_shard(b)  # a view of a buffer the unit keeps for good
         self.device = offload.device if offload is not None else param_shard.device
         pin = offload is not None and offload.pin_memory and torch.cuda.is_available()
         n = param_shard.numel()
@@ -44,7 +44,7 @@ class ShardStore:
         self.master_valid = not self.separate_master
 
     def param_shard(self) -> torch.Tensor:
-        return self.flat.param_shard(self.b)
+        return self._param_shard
 
     def refresh_master(self) -> None:
         """Re-read a separate fp32 master from the params (before the first step, or after a

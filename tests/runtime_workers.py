@@ -254,7 +254,7 @@ def mixed_dtypes_unused_on_one_rank(rank, world, overlap):
     torch.set_num_threads(1)
     model = Router()
     ref = copy.deepcopy(model)
-    opt = FusedZeroAdam(model.parameters(), lr=1e-2, zero_stage=2, bucket_cap_mb=1e-4, overlap_comm=overlap)
+    opt = FusedZeroAdam(model.parameters(), lr=1e-2, weight_decay=0.0, zero_stage=2, bucket_cap_mb=1e-4, overlap_comm=overlap)
     x = torch.randn(4 * world, 8, generator=torch.Generator().manual_seed(2))
     for _ in range(3):
         opt.zero_grad()

@@ -119,7 +119,7 @@ def unused_params(rank, world):
     before = copy.deepcopy(model)
     ref = copy.deepcopy(model)
     # tiny buckets: the buckets of unused params must still be reduced in step(), never awaited forever
-    opt = FusedZeroAdam(model.parameters(), lr=0.1, zero_stage=2, bucket_cap_mb=0.0001)
+    opt = FusedZeroAdam(model.parameters(), lr=0.1, weight_decay=0.0, zero_stage=2, bucket_cap_mb=0.0001)
     x = torch.ones(4, 5)
     model(x, rank).square().mean().backward()
     opt.step()

@@ -47,7 +47,7 @@ class StepOptions:
 class FusedZeroAdam(torch.optim.Optimizer):
     """Adam/AdamW with ZeRO stage 0/1/2 sharding and fused kernels.
 
-    FusedZeroAdam(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
+    FusedZeroAdam(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=None, *,
                   adam_w_mode=True, bias_correction=True, zero_stage=None, process_group=None,
                   bucket_cap_mb=None, overlap_comm=None, max_grad_norm=None, backend="auto", offload=None)
 
@@ -55,6 +55,8 @@ class FusedZeroAdam(torch.optim.Optimizer):
     gradient averaged over the data-parallel group, as under DDP: per-parameter
     step counts; a parameter with no grad on any rank in a step is left
     unchanged; one with a grad on some ranks counts as a zero grad on the others.
+    weight_decay defaults to torch.optim.AdamW's 0.01 (adam_w_mode=True) or
+    torch.optim.Adam's 0 (adam_w_mode=False).
 
     Sharding: params sharded with zerokern.shard(module, ...) keep the options
     given there. Other params form one unit built here with zero_stage (None:
@@ -86,9 +88,11 @@ class FusedZeroAdam(torch.optim.Optimizer):
 
     _step_supports_amp_scaling = True  # GradScaler hands us grad_scale and found_inf
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *, adam_w_mode=True,
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=None, *, adam_w_mode=True,
                  bias_correction=True, zero_stage=None, process_group=None, bucket_cap_mb=None, overlap_comm=None,
                  max_grad_norm=None, backend="auto", offload=None):
+        if weight_decay is None:  # the defaults of the classes users swap out: AdamW 0.01, Adam 0
+            weight_decay = 0.01 if adam_w_mode else 0.0
         check_hyper(lr, betas, eps, weight_decay)
         self.options = StepOptions(adam_w_mode, bias_correction, max_grad_norm, backend)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
@@ -100,6 +104,7 @@ class FusedZeroAdam(torch.optim.Optimizer):
 
         all_params = [p for g in self.param_groups for p in g["params"]]
         self._trainable = [p for p in all_params if p.requires_grad]
+        self._frozen = [(k, p) for k, p in enumerate(all_params) if not p.requires_grad]
         owned = list({id(u): u for u in (unit_of(p) for p in self._trainable) if u is not None}.values())
         loose = [p for p in self._trainable if unit_of(p) is None]
         self.comm, config = _sharding(owned, zero_stage, process_group, bucket_cap_mb, overlap_comm, offload)
@@ -130,6 +135,7 @@ class FusedZeroAdam(torch.optim.Optimizer):
         self._check_overflow = any(p.dtype == torch.float16 for p in self._trainable)
         for u in self.units:
             u.schedule = self.schedule
+        self._broadcast_params()  # before the stores read their masters
         self.stores = [ShardStore(f, b, config.offload) for f, b in placed]
         self._members = [[tindex[f.params[i]] for i in f.layout.buckets[b].tensors] for f, b in placed]
         self._steps = [0] * len(self._trainable)
@@ -140,6 +146,7 @@ class FusedZeroAdam(torch.optim.Optimizer):
         self._pieces = [self._init_state(store, tindex) for store in self.stores]
         self._calls = [_UniformCalls(store, pieces, self._group_of) for store, pieces in zip(self.stores, self._pieces)]
         self.last_grad_norm = None
+        self._clip = None  # the clip factor opt.clip_grad_norm_ set for the next step
 
     def _init_state(self, store, tindex):
         """self.state[p] for the params of one store: views of this rank's slice of each.
@@ -158,6 +165,33 @@ class FusedZeroAdam(torch.optim.Optimizer):
             self.state[p] = st
             out.append((tindex[p], off, n, start))
         return out
+
+    def _broadcast_params(self):
+        """As DDP: every rank starts from rank 0's params (one broadcast per bucket buffer)."""
+        if not self.comm.distributed:
+            return
+        works = [self.comm.broadcast(buf, name="broadcast_params") for u in self.units for f in u.flat
+                 for buf in f.param_bufs.buffers]
+        for w in works:
+            self.comm.wait(w)
+
+    def _check_frozen(self):
+        for k, p in self._frozen:
+            if p.requires_grad or p.grad is not None:
+                raise NotImplementedError(
+                    f"zerokern: params[{k}] was frozen (requires_grad=False) when FusedZeroAdam was built and now "
+                    "has requires_grad=True or a grad; it has no place in the buckets and would not be trained. "
+                    "Build the optimizer after unfreezing (or build it with the param trainable and lr=0 in its "
+                    "own param group)")
+
+    def _refresh_changed_masters(self):
+        """Params adopted with new values ([Note: ownership]): their fp32 masters follow."""
+        for s in self.stores:
+            if s.flat.changed:
+                s.refresh_params(s.flat.changed)
+        for u in self.units:
+            for f in u.flat:
+                f.changed.clear()
 
     def add_param_group(self, param_group):
         if not self._constructing:
@@ -214,6 +248,9 @@ class FusedZeroAdam(torch.optim.Optimizer):
 
     # --- step --------------------------------------------------------------
 
+    # [Note: compile] step() is opaque to torch.compile: a compiled training step graph-breaks
+    # here once per call instead of recompiling for every new step count and bucket state.
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -225,21 +262,65 @@ class FusedZeroAdam(torch.optim.Optimizer):
         if found_inf is not None and grad_scale is None:
             raise RuntimeError("scaler.unscale_(optimizer) is not supported with FusedZeroAdam (the grads it "
                                "would unscale are already reduced); clip with FusedZeroAdam(max_grad_norm=...)")
-        self.schedule.reset()  # a backward that never finished
-        for u in self.units:
-            u.adopt_manual_grads()
-        had, needs, skip = self._agree(found_inf)
-        self.schedule.reduce(needs)
+        had, skip = self._prepare(found_inf)
         if not skip and any(had):
             scale = self._grad_scale_with_clipping(grad_scale)
             self._update(had, scale)
             self._gather_params()
+        self._clip = None
         self.schedule.end_round(release=self.zero_stage == 2)
         if self.zero_stage == 2:
             for u in self.units:
                 for f in u.flat:
                     f.unbind_released()
         return loss
+
+    def _prepare(self, found_inf):
+        """Everything step() needs before the update: a backward that never finished is
+        reset, what the model did to params and grads is adopted, the ranks agree on which
+        params had grads and which buckets need reducing, and those are reduced."""
+        self.schedule.reset()
+        self._check_frozen()
+        for u in self.units:
+            u.sync_from_model()
+        self._refresh_changed_masters()
+        had, needs, skip = self._agree(found_inf)
+        self.schedule.reduce(needs)
+        return had, skip
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm, norm_type=2.0):
+        """torch.nn.utils.clip_grad_norm_ for the sharded grads: the norm of the averaged
+        gradient over all params and ranks (collective: call it on every rank, between
+        backward and step()), returned as a tensor; the clip factor is applied in the fused
+        update of the next step() (in place of max_grad_norm for that step). Works at every
+        stage, where torch's clip_grad_norm_ on .grad would see each rank's local grads."""
+        max_norm = float(max_norm)
+        self._clip = None
+        self._prepare(None)
+        norm = self._global_norm(float(norm_type))
+        self._clip = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        self.last_grad_norm = norm
+        return norm
+
+    def _global_norm(self, norm_type, grad_scale=None):
+        """The norm of the averaged (still loss-scaled) gradient, computed in fp32 over the
+        reduced shards, each element once at every stage."""
+        shards = [s.bucket.reduced_grad() for s in self.stores]
+        device = shards[0].device if shards else torch.device("cpu")
+        if not shards:
+            return torch.zeros((), device=device)
+        norms = torch.stack([torch.linalg.vector_norm(t, norm_type, dtype=torch.float32) for t in shards])
+        sharded = self.comm.distributed and self.zero_stage >= 1  # each rank holds a different part
+        if norm_type == float("inf"):
+            total = norms.max()
+            if sharded:
+                self.comm.wait(self.comm.all_reduce(total, op=torch.distributed.ReduceOp.MAX, name="grad_norm"))
+            return total
+        total = norms.pow(norm_type).sum()
+        if sharded:
+            self.comm.wait(self.comm.all_reduce(total, name="grad_norm"))
+        return total.pow(1.0 / norm_type)
 
     def _agree(self, found_inf):
         """(global had-grad flag per trainable param, which buckets to reduce, skip).
@@ -267,19 +348,18 @@ class FusedZeroAdam(torch.optim.Optimizer):
 
     def _grad_scale_with_clipping(self, grad_scale):
         """The divisor of the reduced grads: the loss scale, times the clip factor."""
-        if self.options.max_grad_norm is None:
+        if self._clip is not None:  # opt.clip_grad_norm_ ran this step
+            clip = self._clip
+        elif self.options.max_grad_norm is None:
             self.last_grad_norm = None
             return grad_scale
-        shards = [s.bucket.reduced_grad() for s in self.stores]
-        sumsq = torch.stack([n.float() for n in torch._foreach_norm(shards)]).square().sum()
-        if self.comm.distributed and self.zero_stage >= 1:  # each rank holds a different part
-            self.comm.wait(self.comm.all_reduce(sumsq, name="grad_norm"))
-        norm = sumsq.sqrt()
-        if grad_scale is not None:
-            norm = norm / grad_scale.float()
-        self.last_grad_norm = norm
-        clip = torch.clamp(self.options.max_grad_norm / (norm + 1e-6), max=1.0)
-        base = grad_scale.float() if grad_scale is not None else torch.ones((), device=norm.device)
+        else:
+            norm = self._global_norm(2.0)
+            if grad_scale is not None:
+                norm = norm / grad_scale.float()
+            self.last_grad_norm = norm
+            clip = torch.clamp(self.options.max_grad_norm / (norm + 1e-6), max=1.0)
+        base = grad_scale.float() if grad_scale is not None else torch.ones((), device=clip.device)
         return (base / clip).reshape(1)
 
     def _update(self, had, scale):
@@ -348,8 +428,11 @@ class FusedZeroAdam(torch.optim.Optimizer):
         """Zeroes the gradient buckets. The .grad views stay (set_to_none is
         accepted for compatibility): setting them to None would cut autograd
         off from the buckets. A parameter counts as having no grad until the
-        next backward reaches it."""
+        next backward reaches it. A .grad that no longer views its bucket
+        (model.to() or to_empty() gave it new storage) is bound to it again."""
         self.schedule.zero()
+        for u in self.units:
+            u.rebind_zeroed_grads()
 
     def reload_master_weights(self):
         """fp16/bf16 params: re-read the fp32 master weights from the model's

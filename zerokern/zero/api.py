@@ -59,10 +59,16 @@ class ZeroModule:
 
 
 def _forward_pre_hook(module, args):
-    # [Note: interrupted backward] in schedule.py: a new forward ends a backward that never finished.
     unit = module._zerokern_unit
+    # [Note: interrupted backward] in schedule.py: a new forward ends a backward that never finished.
     if unit.schedule is not None:
         unit.schedule.reset()
+    # [Note: ownership] in unit.py: load_state_dict(assign=True) put new Parameter objects in the
+    # module; the unit's own params (the ones the optimizer holds) take their values and places back.
+    for owner, attr, p in unit.module_slots:
+        q = owner._parameters.get(attr)
+        if q is not p:
+            unit.adopt_replacement(owner, attr, p, q)
 
 
 def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket_cap_mb: float = 25.0,
@@ -100,6 +106,11 @@ def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket
             raise ValueError(f"zerokern.shard: {n} is on the meta device; materialise the module first "
                              "(module.to_empty(device=...) and initialise it)")
     unit = make_unit(params, names, runs, Comm(process_group), config, type(module).__name__)
+    unit.module_slots = []
+    for p, n in zip(params, names):
+        if p.requires_grad:
+            prefix, _, attr = n.rpartition(".")
+            unit.module_slots.append((module.get_submodule(prefix), attr, p))
     module._zerokern_unit = unit
     module.register_forward_pre_hook(_forward_pre_hook)
     cls = module.__class__

@@ -86,6 +86,11 @@ class GradBucket:
         if synced:
             self.ready.add(index)
 
+    def clear_got(self, index: int) -> None:
+        """The member's .grad was set to None: it has no grad this round."""
+        self.got[self._pos[index]] = False
+        self.ready.discard(index)
+
     def complete(self) -> bool:
         return len(self.ready) == len(self.plan.tensors)
 

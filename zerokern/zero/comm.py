@@ -83,6 +83,14 @@ class Comm:
         with self._label(name):
             return _all_gather(output, input, group=self.group, async_op=True)
 
+    def broadcast(self, tensor, src_rank=0, name="broadcast"):
+        """Async broadcast of `tensor` from group rank `src_rank`."""
+        if not self.distributed:
+            return _Done()
+        with self._label(name):
+            src = dist.get_global_rank(self.group, src_rank) if self.group is not dist.group.WORLD else src_rank
+            return dist.broadcast(tensor, src=src, group=self.group, async_op=True)
+
     def wait(self, work):
         t0 = time.perf_counter()
         work.wait()

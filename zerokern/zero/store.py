@@ -53,6 +53,16 @@ class ShardStore:
             self.master.copy_(self.param_shard())
         self.master_valid = True
 
+    def refresh_params(self, indices) -> None:
+        """A separate master re-reads the slices of these params (adopted with new values)."""
+        if not self.separate_master:
+            return
+        f = self.flat
+        for pc in f.layout.rank_pieces(f.rank, self.b):
+            if pc.index in indices:
+                sl = slice(pc.shard_offset, pc.shard_offset + pc.numel)
+                self.master[sl].copy_(self._param_shard[sl])
+
     def operands(self):
         """(master, grad, exp_avg, exp_avg_sq, model) for the fused kernel over this shard."""
         grad = self.bucket.reduced_grad()

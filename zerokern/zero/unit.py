@@ -7,6 +7,14 @@ become, and one GradBucket per bucket. It owns its hooks and removes them. It
 does not decide when a bucket is reduced: that is the ReduceSchedule's job
 (one per optimizer, over all of its units), which the unit reports grads to.
 
+[Note: ownership] A unit owns where its params' data and grads live: .data
+and .grad are views of its buckets. Anything that moves them (model.to() that
+copies, to_empty(), assigning .data, .grad assigned by hand or set to None)
+is found before the next step (a pointer compare per param, in the loop that
+step() already makes) and adopted: the values are copied into the bucket and
+the view restored, so training goes on with what the model holds. A move to
+another device or dtype cannot be adopted and raises, naming the param.
+
 [Note: bucket order] Backward produces grads in about the reverse of the
 order modules register their params. A unit lays out its params in that
 reverse order, and starts a new bucket wherever another unit's params lie
@@ -83,6 +91,8 @@ class FlatParams:
         self.buckets = [GradBucket(self.layout, b, self.dtype, self.device, comm, self.rank, reduce_scatter,
                                    f"{unit_name}:{dt}:{b.index}") for b in self.layout.buckets]
         self.bound: List[Optional[torch.Tensor]] = [None] * len(params)  # the view each .grad was last set to
+        self.ptrs = [p.data_ptr() for p in params]  # where each param's data must stay ([Note: ownership])
+        self.changed = set()  # params adopted with new values since the stores last looked
         for i, p in enumerate(params):
             self.bind_grad(i)
 
@@ -102,6 +112,29 @@ class FlatParams:
     def param_shard(self, b: int) -> torch.Tensor:
         return self.param_bufs.shard(self.rank, b)
 
+    def check_moved(self, i: int) -> None:
+        """A clear error for a param moved to another device or dtype after it was sharded."""
+        p = self.params[i]
+        if p.device != self.device or p.dtype != self.dtype:
+            raise RuntimeError(
+                f"zerokern: {self.names[i]} is now {p.dtype} on {p.device}, but it was sharded as {self.dtype} on "
+                f"{self.device} (model.to(...) after FusedZeroAdam or zerokern.shard was built?). Move or cast "
+                "the model first, then build the optimizer (and call zerokern.shard)")
+
+    def adopt(self, i: int) -> None:
+        """[Note: ownership] params[i] no longer views its bucket (model.to() copied it, to_empty(),
+        .data assigned): copy its values into the bucket and make it a view again."""
+        self.check_moved(i)
+        p = self.params[i]
+        view = self.param_bufs.view(i, p.shape)
+        with torch.no_grad():
+            if not torch.equal(view, p.data):
+                self.changed.add(i)  # new values: a separate fp32 master must be read again
+            view.copy_(p.data)
+        p.data = view
+        if p.grad is not None:  # model.to() moved the grad along with the data
+            self.bind_grad(i)
+
     def unbind_released(self) -> None:
         """After the full grad buffers were released: the .grad views go too."""
         for i, p in enumerate(self.params):
@@ -118,6 +151,7 @@ class ShardUnit:
         module's params (between other units' params) that params[k] belongs to."""
         self.comm, self.config, self.name = comm, config, name
         self.schedule = None  # the ReduceSchedule of the optimizer that owns this unit, once one does
+        self.module_slots = []  # (module, attribute, param): set by zerokern.shard to follow the module
         self.sync = True  # False: backward accumulates locally (no_sync / set_requires_gradient_sync(False))
         self.flat: List[FlatParams] = []
         trainable = [k for k, p in enumerate(params) if p.requires_grad]
@@ -147,6 +181,7 @@ class ShardUnit:
 
     def _pre_hook(self, f: FlatParams, i: int):
         def pre_hook(grad):
+            f.check_moved(i)  # before autograd fails on a grad of another dtype or device
             # Runs before autograd adds `grad` into the bucket. A bucket still in flight here was
             # launched before this grad came (a reentrant checkpoint segment or shared weights
             # reaching the param twice, or a backward after an interrupted one): wait for it
@@ -165,20 +200,55 @@ class ShardUnit:
                 self.schedule.on_grad(bucket)
         return hook
 
-    def adopt_manual_grads(self) -> None:
-        """Grads assigned by hand (no backward, so no hook) move into the buckets.
-        A .grad that is still the view bound last is skipped on identity alone."""
+    def sync_from_model(self) -> None:
+        """Before step(): what the model did to params and grads since backward.
+        - a param whose data left its bucket view is adopted ([Note: ownership]);
+        - a grad assigned by hand (no backward, so no hook) moves into its bucket;
+        - a grad set to None (torch's way to skip a param this step) no longer counts.
+        A .grad that is still the view bound last is passed on identity and a pointer."""
+        for f in self.flat:
+            for i, (p, bound, ptr) in enumerate(zip(f.params, f.bound, f.ptrs)):
+                if p.data_ptr() != ptr:
+                    f.adopt(i)
+                g = p.grad
+                if g is None:
+                    f.bucket_of(i).clear_got(i)
+                elif g is not bound:
+                    if not f.bucket_of(i).is_view(i, g, p.shape):
+                        f.bind_grad(i)
+                        f.bucket_of(i).mark_got(i, False)
+
+    def rebind_zeroed_grads(self) -> None:
+        """After zero_grad(): each .grad is its (zeroed) bucket view again, or None where the
+        bucket's buffer is released; a grad moved elsewhere (model.to(), to_empty()) is dropped."""
         for f in self.flat:
             for i, (p, bound) in enumerate(zip(f.params, f.bound)):
                 g = p.grad
-                if g is not None and g is not bound and not f.bucket_of(i).is_view(i, g, p.shape):
-                    f.bind_grad(i)
-                    f.bucket_of(i).mark_got(i, False)
+                if g is None and bound is None:
+                    continue
+                bucket = f.bucket_of(i)
+                if bucket.full is None:
+                    p.grad = f.bound[i] = None
+                elif g is not bound or not bucket.is_view(i, g, p.shape):
+                    p.grad = f.bound[i] = bucket.view(i, p.shape)
 
-    def rebind_grads(self) -> None:
-        for f in self.flat:
-            for i in range(len(f.params)):
-                f.bind_grad(i)
+    def adopt_replacement(self, owner, attr, p, q) -> None:
+        """owner.<attr> was replaced by another tensor q (load_state_dict(assign=True)): p takes
+        q's values and its place back, so the optimizer keeps training what the model uses."""
+        where = self.locate(p)
+        name = where[0].names[where[1]] if where else attr
+        if not isinstance(q, torch.Tensor) or q.shape != p.shape:
+            raise RuntimeError(f"zerokern: {name} was replaced by {type(q).__name__} "
+                               f"{list(q.shape) if isinstance(q, torch.Tensor) else ''}; a sharded param can "
+                               f"only take new values of shape {list(p.shape)}")
+        if q.device != p.device or q.dtype != p.dtype:
+            raise RuntimeError(f"zerokern: {name} was replaced by a {q.dtype} tensor on {q.device}, but it was "
+                               f"sharded as {p.dtype} on {p.device}; build the optimizer after loading")
+        with torch.no_grad():
+            p.copy_(q)
+        if where:
+            where[0].changed.add(where[1])
+        owner._parameters[attr] = p
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

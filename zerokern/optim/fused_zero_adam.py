@@ -167,13 +167,20 @@ class FusedZeroAdam(torch.optim.Optimizer):
         return out
 
     def _broadcast_params(self):
-        """As DDP: every rank starts from rank 0's params (one broadcast per bucket buffer)."""
+        """As DDP: every rank starts from rank 0's params, frozen ones too (one broadcast per
+        bucket buffer and per frozen param)."""
         if not self.comm.distributed:
             return
         works = [self.comm.broadcast(buf, name="broadcast_params") for u in self.units for f in u.flat
                  for buf in f.param_bufs.buffers]
+        frozen = [p.data if p.data.is_contiguous() else p.data.contiguous() for _, p in self._frozen]
+        works += [self.comm.broadcast(t, name="broadcast_params") for t in frozen]
         for w in works:
             self.comm.wait(w)
+        with torch.no_grad():
+            for (_, p), t in zip(self._frozen, frozen):
+                if t.data_ptr() != p.data_ptr():
+                    p.copy_(t)
 
     def _check_frozen(self):
         for k, p in self._frozen:
@@ -264,7 +271,7 @@ class FusedZeroAdam(torch.optim.Optimizer):
                                "would unscale are already reduced); clip with FusedZeroAdam(max_grad_norm=...)")
         had, skip = self._prepare(found_inf)
         if not skip and any(had):
-            scale = self._grad_scale_with_clipping(grad_scale)
+            scale = self._grad_scale_with_clipping(grad_scale, had)
             self._update(had, scale)
             self._gather_params()
         self._clip = None
@@ -286,7 +293,19 @@ class FusedZeroAdam(torch.optim.Optimizer):
         self._refresh_changed_masters()
         had, needs, skip = self._agree(found_inf)
         self.schedule.reduce(needs)
+        if self._check_overflow and any(needs):
+            # [Note: overflow on any rank] for what was reduced here rather than in backward
+            # (no_sync accumulation, edited or re-reduced buckets): an fp16 sum can overflow where
+            # no local grad did. Every rank agrees to skip the step then.
+            skip = self._overflowed([s for s, need in zip(self.stores, needs) if need]) or skip
         return had, skip
+
+    def _overflowed(self, stores):
+        shards = [s.bucket.reduced_grad() for s in stores]
+        flag = torch.zeros((), device=shards[0].device)
+        torch._amp_foreach_non_finite_check_and_unscale_(shards, flag, torch.ones((), device=flag.device))
+        self.comm.wait(self.comm.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, name="overflow"))
+        return bool(flag.item())
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm, norm_type=2.0):
@@ -294,19 +313,28 @@ class FusedZeroAdam(torch.optim.Optimizer):
         gradient over all params and ranks (collective: call it on every rank, between
         backward and step()), returned as a tensor; the clip factor is applied in the fused
         update of the next step() (in place of max_grad_norm for that step). Works at every
-        stage, where torch's clip_grad_norm_ on .grad would see each rank's local grads."""
+        stage, where torch's clip_grad_norm_ on .grad would see each rank's local grads.
+        With torch.amp.GradScaler the returned norm is of the still-scaled grads (the scale
+        is known only in scaler.step()); the clip itself uses the unscaled norm."""
         max_norm = float(max_norm)
         self._clip = None
-        self._prepare(None)
-        norm = self._global_norm(float(norm_type))
-        self._clip = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        had, _ = self._prepare(None)
+        norm = self._global_norm(float(norm_type), had)
+        self._clip = (max_norm, norm)
         self.last_grad_norm = norm
         return norm
 
-    def _global_norm(self, norm_type, grad_scale=None):
+    def _global_norm(self, norm_type, had):
         """The norm of the averaged (still loss-scaled) gradient, computed in fp32 over the
-        reduced shards, each element once at every stage."""
-        shards = [s.bucket.reduced_grad() for s in self.stores]
+        reduced shards, each element once at every stage; params without a grad this step
+        (had[t] False, e.g. .grad set to None) count for nothing, as in torch."""
+        if all(had):
+            shards = [s.bucket.reduced_grad() for s in self.stores]
+        else:
+            shards = []
+            for s, pieces in zip(self.stores, self._pieces):
+                grad = s.bucket.reduced_grad()
+                shards += [grad[off:off + n] for t, off, n, _ in pieces if had[t] and n]
         device = shards[0].device if shards else torch.device("cpu")
         if not shards:
             return torch.zeros((), device=device)
@@ -346,23 +374,25 @@ class FusedZeroAdam(torch.optim.Optimizer):
         values = [v > 0 for v in flags.tolist()]
         return values[:n], values[n:n + m], values[n + m]
 
-    def _grad_scale_with_clipping(self, grad_scale):
+    def _grad_scale_with_clipping(self, grad_scale, had):
         """The divisor of the reduced grads: the loss scale, times the clip factor."""
         if self._clip is not None:  # opt.clip_grad_norm_ ran this step
-            clip = self._clip
+            max_norm, norm = self._clip
         elif self.options.max_grad_norm is None:
             self.last_grad_norm = None
             return grad_scale
         else:
-            norm = self._global_norm(2.0)
-            if grad_scale is not None:
-                norm = norm / grad_scale.float()
-            self.last_grad_norm = norm
-            clip = torch.clamp(self.options.max_grad_norm / (norm + 1e-6), max=1.0)
+            max_norm, norm = self.options.max_grad_norm, self._global_norm(2.0, had)
+        if grad_scale is not None:
+            norm = norm / grad_scale.float()
+        self.last_grad_norm = norm
+        clip = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         base = grad_scale.float() if grad_scale is not None else torch.ones((), device=clip.device)
         return (base / clip).reshape(1)
 
     def _update(self, had, scale):
+        if isinstance(scale, torch.Tensor) and self.stores and scale.device != self.stores[0].device:
+            scale = scale.to(self.stores[0].device)  # offloaded stores update on the CPU
         uniform = self._uniform_steps and all(had)
         calls = {}  # (param group, step, with model params) -> (masters, grads, ms, vs, models)
         for store, pieces, uc in zip(self.stores, self._pieces, self._calls):
@@ -514,6 +544,10 @@ def _sharding(units, zero_stage, process_group, bucket_cap_mb, overlap_comm, off
             raise ValueError("zerokern: FusedZeroAdam got another process_group than zerokern.shard(); pass it "
                              "to shard() only")
         return units[0].comm, config
+    if zero_stage == 3:
+        raise ValueError("zero_stage=3 (sharded parameters) is not offered yet; use 0, 1 or 2")
+    if isinstance(zero_stage, bool) or zero_stage not in (None, 0, 1, 2):
+        raise ValueError(f"zero_stage must be None, 0, 1 or 2, got {zero_stage!r}")
     comm = Comm(process_group)
     stage = zero_stage if zero_stage is not None else (2 if comm.world_size > 1 else 0)
     return comm, ShardConfig(stage, 25.0 if bucket_cap_mb is None else bucket_cap_mb,

@@ -45,6 +45,7 @@ class GradBucket:
         self.work = None
         self.launched_version = None  # full._version when the current reduction was launched
         self.rewritten = False  # a hook fired after the launch (reentrant checkpointing, shared weights)
+        self.reduced_in_round = False  # launched at least once since the round began
         self.ready = set()  # members whose hook ran in the current synced backward
         self.got: List[bool] = [False] * len(plan.tensors)  # by position in plan.tensors: a grad since the round began
         self._pos = {t: k for k, t in enumerate(plan.tensors)}
@@ -98,10 +99,14 @@ class GradBucket:
         """IDLE/REDUCED -> IN_FLIGHT: members with no grad this round contribute zeros."""
         self.wait()  # a re-launch waits out the previous collective on this buffer
         full = self.full_buffer()
-        for k, i in enumerate(self.plan.tensors):
-            if not self.got[k]:
-                s = self.layout.slots[i]
-                full[s.offset:s.offset + s.numel].zero_()
+        # In place (stage 0) the buffer holds averages after the first reduction, also for a
+        # member this rank had no grad for: zeroing it again would drop the other ranks' part.
+        if self.sharded or not self.reduced_in_round:
+            for k, i in enumerate(self.plan.tensors):
+                if not self.got[k]:
+                    s = self.layout.slots[i]
+                    full[s.offset:s.offset + s.numel].zero_()
+        self.reduced_in_round = True
         self.ready.clear()
         self.rewritten = False
         self.launched_version = full._version
@@ -138,6 +143,7 @@ class GradBucket:
         self.state = BucketState.IDLE
         self.ready.clear()
         self.rewritten = False
+        self.reduced_in_round = False
         self.got = [False] * len(self.got)
 
     def zero(self) -> None:

@@ -37,6 +37,14 @@ def _slices(opt):
 
 def shard_state_dict(opt):
     sd = torch.optim.Optimizer.state_dict(opt)
+    index = {p: k for k, p in enumerate(_params(opt))}
+    for s in opt.stores:
+        if s.separate_master and not s.master_valid:
+            # Not read from the params yet (that happens at the first step): leave it out, so
+            # loading this dict reads it from the params then too.
+            for i in s.bucket.plan.tensors:
+                k = index[s.flat.params[i]]
+                sd["state"][k] = {key: v for key, v in sd["state"][k].items() if key != "master_param"}
     sd["zerokern"] = {
         "format": FORMAT, "kind": "shard", "rank": opt.comm.rank, "world_size": opt.comm.world_size,
         "zero_stage": opt.zero_stage, "param_numels": [p.numel() for p in _params(opt)],
@@ -45,13 +53,15 @@ def shard_state_dict(opt):
     return sd
 
 
-def _gather(opt, shard):
-    """A bucket's full tensor from every rank's shard (a collective when sharded)."""
+def _gather(opt, shard, device):
+    """A bucket's full tensor from every rank's shard (a collective when sharded), gathered on
+    `device` (the bucket's: an offloaded store's CPU tensors travel through it)."""
     if not (opt.comm.distributed and opt.zero_stage >= 1):
         return shard
-    full = shard.new_empty(shard.numel() * opt.comm.world_size)
-    opt.comm.wait(opt.comm.all_gather(full, shard, name="gather_state"))
-    return full
+    part = shard.to(device)
+    full = part.new_empty(part.numel() * opt.comm.world_size)
+    opt.comm.wait(opt.comm.all_gather(full, part, name="gather_state"))
+    return full.to(shard.device)
 
 
 def _groups_meta(opt):
@@ -64,8 +74,9 @@ def full_state_dict(opt):
     index = {p: k for k, p in enumerate(_params(opt))}
     state, masters = {}, {}
     for s in opt.stores:
-        m, v = _gather(opt, s.exp_avg), _gather(opt, s.exp_avg_sq)
-        w = _gather(opt, s.master) if s.separate_master and s.master_valid else None
+        dev = s.bucket.device
+        m, v = _gather(opt, s.exp_avg, dev), _gather(opt, s.exp_avg_sq, dev)
+        w = _gather(opt, s.master, dev) if s.separate_master and s.master_valid else None
         if opt.comm.rank != 0:
             continue
         for i in s.bucket.plan.tensors:
@@ -86,13 +97,16 @@ def full_state_dict(opt):
     return out
 
 
-def _load_groups(opt, saved):
+def _check_groups(opt, saved):
     if len(saved) != len(opt.param_groups):
         raise ValueError(f"the state dict has {len(saved)} param groups, the optimizer {len(opt.param_groups)}")
     for i, (mine, theirs) in enumerate(zip(opt.param_groups, saved)):
         if len(theirs["params"]) != len(mine["params"]):
             raise ValueError(f"param group {i}: the state dict has {len(theirs['params'])} params, "
                              f"the optimizer {len(mine['params'])}")
+
+
+def _load_groups(opt, saved):
     for mine, theirs in zip(opt.param_groups, saved):
         # As torch.optim: every saved key (lr, initial_lr, ...) replaces ours; the params stay.
         for key, value in theirs.items():
@@ -128,22 +142,26 @@ def load_state_dict(opt, sd):
     for k in state:
         if not 0 <= k < len(params):
             raise ValueError(f"the state dict has state for param {k}; the optimizer has {len(params)} params")
-    _load_groups(opt, sd["param_groups"])
+    # Every check first (sizes, param groups), so a refused dict changes nothing.
+    _check_groups(opt, sd["param_groups"])
+    copies = []  # (destination, source or None for zeros)
+    steps = []
     for k, p in enumerate(params):
         if p not in opt.state or k not in slices:
             continue
         mine, theirs = opt.state[p], state.get(k, {})
         start, n = slices[k]
         for key in ("exp_avg", "exp_avg_sq"):
-            if key in theirs:
-                mine[key].copy_(_my_slice(theirs[key], p, start, n, k, key))
-            else:
-                mine[key].zero_()
-        step = theirs.get("step", 0)
-        mine["step"].fill_(float(step))
+            copies.append((mine[key], _my_slice(theirs[key], p, start, n, k, key) if key in theirs else None))
+        steps.append((mine["step"], float(theirs.get("step", 0))))
         master = theirs.get("master_param", masters.get(k))
         if "master_param" in mine and master is not None:
-            mine["master_param"].copy_(_my_slice(master, p, start, n, k, "master_param"))
+            copies.append((mine["master_param"], _my_slice(master, p, start, n, k, "master_param")))
+    _load_groups(opt, sd["param_groups"])
+    for dst, src in copies:
+        dst.zero_() if src is None else dst.copy_(src)
+    for dst, value in steps:
+        dst.fill_(value)
     for s in opt.stores:
         # A separate master comes from the state dict when it has every one of the store's; else
         # it is read from the params at the next step.

@@ -60,9 +60,9 @@ class ShardConfig:
 
     def __post_init__(self):
         if self.stage == 3:
-            raise ValueError("zero_stage=3 (sharded parameters) is not offered yet; use 0, 1 or 2")
+            raise ValueError("stage=3 (sharded parameters) is not offered yet; use 0, 1 or 2")
         if isinstance(self.stage, bool) or self.stage not in (0, 1, 2):
-            raise ValueError(f"zero_stage must be None, 0, 1 or 2, got {self.stage!r}")
+            raise ValueError(f"stage must be 0, 1 or 2, got {self.stage!r}")
         if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, (int, float)):
             raise TypeError(f"bucket_cap_mb must be a number, got {type(self.bucket_cap_mb).__name__}")
         if not 0 < self.bucket_cap_mb < float("inf"):
@@ -94,7 +94,10 @@ class FlatParams:
         self.ptrs = [p.data_ptr() for p in params]  # where each param's data must stay ([Note: ownership])
         self.changed = set()  # params adopted with new values since the stores last looked
         for i, p in enumerate(params):
+            had_grad = p.grad is not None
             self.bind_grad(i)
+            if had_grad:  # a grad from before sharding counts, as torch.optim would use it
+                self.bucket_of(i).mark_got(i, False)
 
     def bucket_of(self, i: int) -> GradBucket:
         return self.buckets[self.layout.slots[i].bucket]
@@ -249,6 +252,12 @@ class ShardUnit:
         if where:
             where[0].changed.add(where[1])
         owner._parameters[attr] = p
+
+    def __deepcopy__(self, memo):
+        raise TypeError(
+            f"zerokern: a module sharded with zerokern.shard (unit '{self.name}') or an optimizer over it "
+            "cannot be deep-copied (its params are views of shared buckets with hooks). Copy the model "
+            "before sharding it, or copy its state_dict() into a fresh model")
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

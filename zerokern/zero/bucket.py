@@ -40,6 +40,7 @@ class GradBucket:
         self.sharded = sharded  # reduce-scatter into self.shard (stages 1/2, world > 1); else all-reduce in place
         self.name = name  # for errors and profiler labels
         self.full: Optional[torch.Tensor] = None
+        self._reduced_view: Optional[torch.Tensor] = None
         self.shard = torch.zeros(plan.shard_numel, dtype=dtype, device=device) if sharded else None
         self.state = BucketState.IDLE
         self.work = None
@@ -56,6 +57,8 @@ class GradBucket:
     def full_buffer(self) -> torch.Tensor:
         if self.full is None:
             self.full = torch.zeros(self.plan.padded_numel, dtype=self.dtype, device=self.device)
+            start, end = self._range
+            self._reduced_view = None if self.shard is not None else self.full[start:end]
         return self.full
 
     def view(self, index: int, shape) -> torch.Tensor:
@@ -74,8 +77,8 @@ class GradBucket:
         """This rank's reduced (averaged) grad shard; valid in state REDUCED."""
         if self.shard is not None:
             return self.shard
-        start, end = self._range
-        return self.full_buffer()[start:end]
+        self.full_buffer()
+        return self._reduced_view  # this rank's range of the full buffer; goes with it in release()
 
     # --- transitions -----------------------------------------------------------
 
@@ -156,6 +159,7 @@ class GradBucket:
         """Stage 2 after step(): -> IDLE and the full buffer dropped (the .grad views go with it)."""
         self.end_round()
         self.full = None
+        self._reduced_view = None
 
     def abandon(self) -> None:
         """A backward that never finished: wait out its collective (every rank launched the same

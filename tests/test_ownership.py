@@ -120,3 +120,15 @@ def test_compiled_training_step_does_not_recompile_per_step():
         ref_opt.step()
     assert graphs[-1] == graphs[2], f"graphs compiled per step: {graphs}"
     assert R.max_diff(model, ref) < FP32_TOL
+
+
+def test_replaced_parameters_without_shard_are_not_silent():
+    """load_state_dict(assign=True) after building the optimizer over a param list: the optimizer
+    holds the old Parameter objects (as any torch optimizer does); step() says so instead of
+    silently updating nothing."""
+    model = R.gpt()
+    opt = FusedZeroAdam(model.parameters(), lr=1e-2)
+    model.load_state_dict(R.gpt(7).state_dict(), assign=True)
+    R.gpt_loss(model, R.tokens(1)[0]).backward()
+    with pytest.warns(UserWarning, match="no parameter had a gradient on any rank"):
+        opt.step()

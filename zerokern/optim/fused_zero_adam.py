@@ -11,6 +11,7 @@ docs/DESIGN.md has the whole picture.
 import contextlib
 import hashlib
 import operator
+import warnings
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -146,7 +147,8 @@ class FusedZeroAdam(torch.optim.Optimizer):
         self._pieces = [self._init_state(store, tindex) for store in self.stores]
         self._calls = [_UniformCalls(store, pieces, self._group_of) for store, pieces in zip(self.stores, self._pieces)]
         self.last_grad_norm = None
-        self._clip = None  # the clip factor opt.clip_grad_norm_ set for the next step
+        self._clip = None  # (max_norm, norm) from opt.clip_grad_norm_ for the next step
+        self._warned_no_grads = False
 
     def _init_state(self, store, tindex):
         """self.state[p] for the params of one store: views of this rank's slice of each.
@@ -270,6 +272,12 @@ class FusedZeroAdam(torch.optim.Optimizer):
             raise RuntimeError("scaler.unscale_(optimizer) is not supported with FusedZeroAdam (the grads it "
                                "would unscale are already reduced); clip with FusedZeroAdam(max_grad_norm=...)")
         had, skip = self._prepare(found_inf)
+        if had and not any(had) and not self._warned_no_grads:
+            self._warned_no_grads = True
+            warnings.warn("FusedZeroAdam.step(): no parameter had a gradient on any rank, so nothing was updated. "
+                          "If the model's Parameters were replaced after the optimizer was built "
+                          "(load_state_dict(..., assign=True) without zerokern.shard), build the optimizer after "
+                          "that, as with any torch optimizer", stacklevel=3)
         if not skip and any(had):
             scale = self._grad_scale_with_clipping(grad_scale, had)
             self._update(had, scale)

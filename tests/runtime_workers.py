@@ -281,9 +281,10 @@ def mixed_dtypes_unused_on_one_rank(rank, world, overlap):
     return {"diff": max_diff(model, ref)}
 
 
-def grad_edit_after_backward(rank, world, stage):
-    """Masking grads between backward and step() (stages 1/2: .grad is the local grad): the
-    edited buckets are reduced again, so the result is AdamW's on the masked full-batch grads."""
+def grad_edit_after_backward(rank, world, stage, how):
+    """Editing .grad between backward and step(): masking, or torch's clip_grad_norm_. Where
+    .grad holds the averaged grad (stage 0, or one process) the result is DDP + AdamW's doing the
+    same; where it holds the local grad (stages 1/2 on several ranks) step() raises on every rank."""
     torch.set_num_threads(1)
     model = gpt()
     ref = copy.deepcopy(model)
@@ -293,7 +294,13 @@ def grad_edit_after_backward(rank, world, stage):
         for m, o, part in ((model, opt, mine(seq, rank, world)), (ref, ref_opt, seq)):
             o.zero_grad()
             gpt_loss(m, part).backward()
-            m.blocks[1].fc1.weight.grad[:, :5] = 0  # in place, through the .grad view
-            m.ln.weight.grad.mul_(0.5)
-            o.step()
-    return {"diff": max_diff(model, ref)}
+            if how == "mask":
+                m.blocks[1].fc1.weight.grad[:, :5] = 0  # in place, through the .grad view
+                m.ln.weight.grad.mul_(0.5)
+            else:
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+            try:
+                o.step()
+            except RuntimeError as e:
+                return {"error": str(e)}
+    return {"diff": max_diff(model, ref), "error": None}

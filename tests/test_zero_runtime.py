@@ -88,11 +88,20 @@ def test_mixed_dtypes_with_a_layer_unused_on_one_rank(world, overlap):
         assert r["diff"] < 2e-2, r
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
-def test_grad_edits_between_backward_and_step_are_reduced(stage):
-    results = dist_harness.values(dist_harness.run(W.grad_edit_after_backward, 2, stage, timeout=120))
-    for r in results:
-        assert r["diff"] < FP32_TOL, r
+@pytest.mark.parametrize("how", ["mask", "clip_grad_norm_"])
+@pytest.mark.parametrize("stage, world", [(0, 2), (1, 1), (2, 1)])
+def test_grad_edits_where_grad_is_the_average_match_ddp(stage, world, how):
+    for r in dist_harness.values(dist_harness.run(W.grad_edit_after_backward, world, stage, how, timeout=120)):
+        assert r["error"] is None and r["diff"] < FP32_TOL, r
+
+
+@pytest.mark.parametrize("how", ["mask", "clip_grad_norm_"])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_grad_edits_of_local_grads_raise_on_every_rank(stage, how):
+    """Never silent: torch's clip_grad_norm_ on local grads would clip each rank by its own norm."""
+    for r in dist_harness.values(dist_harness.run(W.grad_edit_after_backward, 2, stage, how, timeout=120)):
+        assert r["error"] and "changed in place between backward and step()" in r["error"], r
+        assert "opt.clip_grad_norm_" in r["error"] and "zero_stage=0" in r["error"], r
 
 
 def test_add_param_group_after_construction_says_what_to_do():

@@ -299,7 +299,7 @@ class FusedZeroAdam(torch.optim.Optimizer):
         for u in self.units:
             u.sync_from_model()
         self._refresh_changed_masters()
-        had, needs, skip = self._agree(found_inf)
+        had, needs, skip = self._agree(found_inf)  # raises on every rank if any rank edited local grads
         self.schedule.reduce(needs)
         if self._check_overflow and any(needs):
             # [Note: overflow on any rank] for what was reduced here rather than in backward
@@ -373,14 +373,30 @@ class FusedZeroAdam(torch.optim.Optimizer):
         needs = self.schedule.local_needs()
         if not self.comm.distributed and found_inf is None:
             return had, needs, False
+        edited = [b.edited() for b in buckets]
         n, m = len(had), len(needs)
         device = self.stores[0].bucket.device if self.stores else torch.device("cpu")
-        flags = torch.tensor(had + needs + [False], dtype=torch.float32, device=device)  # the last: found_inf
+        # the last: found_inf
+        flags = torch.tensor(had + needs + edited + [False], dtype=torch.float32, device=device)
         if found_inf is not None:
-            flags[n + m] = found_inf.reshape(()).to(device)
+            flags[n + 2 * m] = found_inf.reshape(()).to(device)
         self.comm.wait(self.comm.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, name="grad_flags"))
         values = [v > 0 for v in flags.tolist()]
-        return values[:n], values[n:n + m], values[n + m]
+        if any(values[n + m:n + 2 * m]):
+            self._raise_edited([b for b, e in zip(buckets, values[n + m:n + 2 * m]) if e])
+        return values[:n], values[n:n + m], values[n + 2 * m]
+
+    def _raise_edited(self, buckets):
+        names = [s.flat.names[i] for s in self.stores if s.bucket in buckets for i in s.bucket.plan.tensors]
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        raise RuntimeError(
+            f"zerokern: the gradients of {shown} were changed in place between backward and step() (on some "
+            f"rank). At zero_stage={self.zero_stage} with {self.comm.world_size} ranks .grad holds each rank's "
+            "local gradient (the averaged one is sharded), so an edit there, such as "
+            "torch.nn.utils.clip_grad_norm_ clipping each rank by its own norm, would not give DDP's numbers. "
+            "Clip with opt.clip_grad_norm_(max_norm) or FusedZeroAdam(max_grad_norm=...); mask or scale grads "
+            "in a hook (p.register_hook) or through the loss; or use zero_stage=0, where .grad holds the "
+            "averaged gradient as under DDP")
 
     def _grad_scale_with_clipping(self, grad_scale, had):
         """The divisor of the reduced grads: the loss scale, times the clip factor."""

@@ -2,20 +2,24 @@
 place that says what phase the bucket is in (BucketState).
 
 [Note: the local grads are the truth] A bucket's full buffer holds this rank's
-local gradients, exactly as autograd accumulated them (and as the user may have
-edited them). A reduction (the reduced shard at stages 1/2) is only a cached
-result of those local grads: it is valid while the buffer's version counter
-(Tensor._version, bumped by every in-place write: autograd's accumulation, a
-user's mask or clip) is the one recorded at launch. So a backward that was
-interrupted, a parameter whose hook fires twice in one backward (reentrant
-checkpointing, weights shared across segments) or a grad edited after backward
-never leaves a stale reduction behind: step() finds the version moved and
-reduces that bucket again (ReduceSchedule agrees on it across ranks first). At
-stage 0 the all-reduce works in place, so the buffer holds the average after
-the reduction: an edit after backward edits the average, as under DDP, and is
-kept; only a hook that fires after the launch (`rewritten`) calls for another
-all-reduce, which is exact because the average is the same on every rank
-(avg + local -> avg + avg(local)). A grad that arrives while its bucket's
+local gradients, exactly as autograd accumulated them. A reduction is only a
+cached result of them. Every write the runtime knows of (autograd's
+accumulation, seen by the post-accumulate hook; a grad assigned by hand; its
+own zeroing) records the buffer's version counter (Tensor._version, bumped by
+every in-place write) in `known_version`, and a grad that arrives after its
+bucket was launched (a backward after an interrupted one, a reentrant
+checkpoint segment or shared weights reaching a param twice) marks the bucket
+`rewritten`: step() reduces it again (ReduceSchedule agrees on it across ranks
+first), so no stale reduction is ever used. At stage 0 the all-reduce works in
+place, so after it the buffer holds the average: an edit after backward (a
+mask, torch's clip_grad_norm_) edits the average, as under DDP, and is kept; a
+second all-reduce of a rewritten bucket is exact because the average is the
+same on every rank (avg + local -> avg + avg(local)). At stages 1/2 with more
+than one rank, .grad holds the local grad while the reduced one is a shard: an
+in-place edit there (the version moved past `known_version`) cannot give
+DDP's numbers when it differs per rank (clipping by each rank's own norm), so
+`edited()` reports it and step() raises on every rank, naming the params and
+opt.clip_grad_norm_. A grad that arrives while its bucket's
 collective runs waits for it before autograd adds it in (ShardUnit's pre-hook),
 so no write ever races a collective.
 """
@@ -44,8 +48,8 @@ class GradBucket:
         self.shard = torch.zeros(plan.shard_numel, dtype=dtype, device=device) if sharded else None
         self.state = BucketState.IDLE
         self.work = None
-        self.launched_version = None  # full._version when the current reduction was launched
         self.rewritten = False  # a hook fired after the launch (reentrant checkpointing, shared weights)
+        self.known_version = None  # full._version after the last write the runtime knows of
         self.reduced_in_round = False  # launched at least once since the round began
         self.ready = set()  # members whose hook ran in the current synced backward
         self.got: List[bool] = [False] * len(plan.tensors)  # by position in plan.tensors: a grad since the round began
@@ -87,8 +91,20 @@ class GradBucket:
         self.got[k] = True
         if self.state is not BucketState.IDLE:
             self.rewritten = True
+        self.note_write()
         if synced:
             self.ready.add(index)
+
+    def note_write(self) -> None:
+        """The runtime (or autograd, through a hook) just wrote the buffer: not a user edit."""
+        if self.full is not None:
+            self.known_version = self.full._version
+
+    def edited(self) -> bool:
+        """The local grads were changed in place after the reduction by something other than
+        the runtime, at a stage where .grad holds local grads ([Note: the local grads are the truth])."""
+        return (self.sharded and self.state is not BucketState.IDLE and self.full is not None
+                and self.full._version != self.known_version)
 
     def clear_got(self, index: int) -> None:
         """The member's .grad was set to None: it has no grad this round."""
@@ -112,7 +128,7 @@ class GradBucket:
         self.reduced_in_round = True
         self.ready.clear()
         self.rewritten = False
-        self.launched_version = full._version
+        self.note_write()
         if self.sharded:
             self.work = self.comm.reduce_scatter(self.shard, full, name=f"reduce_scatter[{self.name}]")
         else:
@@ -128,17 +144,12 @@ class GradBucket:
         if self.comm.distributed:
             (self.shard if self.sharded else self.full).div_(self.comm.world_size)
         if not self.sharded:
-            self.launched_version = self.full._version  # the average is now the local truth
+            self.note_write()  # in place: the average is now what the buffer holds
         self.state = BucketState.REDUCED
 
-    def stale(self) -> bool:
-        """The local grads were written after the reduction was launched (sharded only)."""
-        return (self.sharded and self.state is BucketState.REDUCED and self.full is not None
-                and self.full._version != self.launched_version)
-
     def needs_reduction(self) -> bool:
-        """Not reduced this round though it has grads, or reduced before the grads moved."""
-        return (self.state is BucketState.IDLE and any(self.got)) or self.rewritten or self.stale()
+        """Not reduced this round though it has grads, or a grad came after the launch."""
+        return (self.state is BucketState.IDLE and any(self.got)) or self.rewritten
 
     def end_round(self) -> None:
         """After step(): -> IDLE; the local grads stay (stage 1) until zero_grad()."""
@@ -154,6 +165,7 @@ class GradBucket:
         self.end_round()
         if self.full is not None:
             self.full.zero_()
+            self.note_write()
 
     def release(self) -> None:
         """Stage 2 after step(): -> IDLE and the full buffer dropped (the .grad views go with it)."""
@@ -171,10 +183,10 @@ class GradBucket:
     def poke_overflow(self, first: torch.Tensor, flag: torch.Tensor) -> None:
         """Write an inf into `first` (a member's first grad element) where flag > 0, so every
         rank's GradScaler sees the overflow. Not a grad edit: the reduction stays valid."""
-        was_current = self.full is not None and self.full._version == self.launched_version
+        was_known = self.full is not None and self.full._version == self.known_version
         first.copy_(torch.where(flag > 0, torch.full_like(first, float("inf")), first))
-        if was_current:
-            self.launched_version = self.full._version
+        if was_known:
+            self.note_write()
 
     def nbytes(self) -> dict:
         full = 0 if self.full is None else self.full.numel() * self.full.element_size()

@@ -110,6 +110,7 @@ class FlatParams:
         view = bucket.view(i, p.shape)
         if p.grad is not None:
             view.copy_(p.grad)  # a fresh grad from autograd, or one assigned by hand
+            bucket.note_write()
         p.grad = self.bound[i] = view
 
     def param_shard(self, b: int) -> torch.Tensor:

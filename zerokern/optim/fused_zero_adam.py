@@ -10,10 +10,9 @@ docs/DESIGN.md has the whole picture.
 
 import contextlib
 import hashlib
-import operator
 import warnings
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Optional
 
 import torch
 
@@ -21,11 +20,11 @@ from ..kernels.backends.registry import resolve
 from ..kernels.ops import fused_adam_
 from ..zero import checkpoint
 from ..zero.api import make_unit, unit_of
-from ..zero.comm import Comm
 from ..zero.schedule import ReduceSchedule
 from ..zero.store import ShardStore
-from ..zero.unit import OffloadPolicy, ShardConfig
 from .hyper import check_hyper
+from .update_lists import UniformCalls, extend_calls
+from .zero_setup import sharding, validated_groups
 
 
 @dataclass(frozen=True)
@@ -98,7 +97,7 @@ class FusedZeroAdam(torch.optim.Optimizer):
         self.options = StepOptions(adam_w_mode, bias_correction, max_grad_norm, backend)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         self._constructing = True
-        super().__init__(_validated_groups(params), defaults)
+        super().__init__(validated_groups(params), defaults)
         self._constructing = False
         for g in self.param_groups:
             check_hyper(g["lr"], g["betas"], g["eps"], g["weight_decay"])
@@ -108,7 +107,7 @@ class FusedZeroAdam(torch.optim.Optimizer):
         self._frozen = [(k, p) for k, p in enumerate(all_params) if not p.requires_grad]
         owned = list({id(u): u for u in (unit_of(p) for p in self._trainable) if u is not None}.values())
         loose = [p for p in self._trainable if unit_of(p) is None]
-        self.comm, config = _sharding(owned, zero_stage, process_group, bucket_cap_mb, overlap_comm, offload)
+        self.comm, config = sharding(owned, zero_stage, process_group, bucket_cap_mb, overlap_comm, offload)
         self.zero_stage = config.stage
         self._check_same_on_every_rank(all_params, config)
         if self._trainable:
@@ -145,7 +144,7 @@ class FusedZeroAdam(torch.optim.Optimizer):
         # up with one op (torch._foreach_add_ over 0-dim CPU tensors costs ~7 us each).
         self._step_buffer = torch.zeros(len(self._trainable), dtype=torch.float32)
         self._pieces = [self._init_state(store, tindex) for store in self.stores]
-        self._calls = [_UniformCalls(store, pieces, self._group_of) for store, pieces in zip(self.stores, self._pieces)]
+        self._calls = [UniformCalls(store, pieces, self._group_of) for store, pieces in zip(self.stores, self._pieces)]
         self.last_grad_norm = None
         self._clip = None  # (max_norm, norm) from opt.clip_grad_norm_ for the next step
         self._warned_no_grads = False
@@ -425,12 +424,12 @@ class FusedZeroAdam(torch.optim.Optimizer):
             operands = store.operands()
             if uniform:
                 for pg, lists in uc.lists(operands).items():
-                    _extend(calls, (pg, self._steps[0] + 1, operands[4] is not None), lists)
+                    extend_calls(calls, (pg, self._steps[0] + 1, operands[4] is not None), lists)
             else:
                 for t, off, n, _ in pieces:
                     if had[t]:
                         views = [None if x is None else x[off:off + n] for x in operands]
-                        _extend(calls, (self._group_of[t], self._steps[t] + 1, operands[4] is not None),
+                        extend_calls(calls, (self._group_of[t], self._steps[t] + 1, operands[4] is not None),
                                 [None if v is None else [v] for v in views])
         for (pg, step, low), (masters, grads, ms, vs, models) in calls.items():
             group = self.param_groups[pg]
@@ -505,110 +504,3 @@ class FusedZeroAdam(torch.optim.Optimizer):
                     rep[k] += v
         rep["total"] = sum(rep.values())
         return rep
-
-
-class _UniformCalls:
-    """The usual step for one store (every param had a grad, one step count): the
-    kernel operands per param group. A store whose params are all in one param group
-    is one call over the whole shard (padding is zero and stays zero under Adam);
-    otherwise the shard is split at its params in one call (torch.split), each
-    param group picking its pieces."""
-
-    def __init__(self, store, pieces, group_of):
-        groups = [group_of[t] for t, _, n, _ in pieces if n]
-        self.single = groups[0] if groups and len(set(groups)) == 1 else None
-        self.empty = not groups
-        sizes, end = [], 0
-        for t, off, n, _ in pieces:
-            if n:
-                sizes += [off - end, n]
-                end = off + n
-        sizes.append(store.exp_avg.numel() - end)
-        self.sizes = sizes
-        self.pick = {}
-        k = 0
-        for t, off, n, _ in pieces:
-            if n:
-                self.pick.setdefault(group_of[t], []).append(2 * k + 1)
-                k += 1
-        self.pick = {g: operator.itemgetter(*idx, idx[0]) for g, idx in self.pick.items()}  # always a tuple
-
-    def lists(self, operands):
-        if self.empty:
-            return {}
-        if self.single is not None:
-            return {self.single: [None if x is None else [x] for x in operands]}
-        split = [None if x is None else x.split(self.sizes) for x in operands]
-        return {g: [None if s is None else pick(s)[:-1] for s in split] for g, pick in self.pick.items()}
-
-
-def _extend(calls, key, lists):
-    dst = calls.setdefault(key, ([], [], [], [], []))
-    for d, src in zip(dst, lists):
-        if src is not None:  # no model params (fp32)
-            d.extend(src)
-
-
-def _sharding(units, zero_stage, process_group, bucket_cap_mb, overlap_comm, offload):
-    """(Comm, ShardConfig) for the params: the units' own, or one from the arguments."""
-    if units:
-        configs = {u.config for u in units}
-        groups = {id(u.comm.group) for u in units}
-        if len(configs) > 1 or len(groups) > 1:
-            raise ValueError("zerokern: the params were sharded with different options or process groups: "
-                             + "; ".join(f"{u.name}: {u.config}" for u in units))
-        config = units[0].config
-        given = {"zero_stage": (zero_stage, config.stage), "bucket_cap_mb": (bucket_cap_mb, config.bucket_cap_mb),
-                 "overlap_comm": (overlap_comm, config.overlap_comm), "offload": (offload, config.offload)}
-        for name, (mine, theirs) in given.items():
-            if mine is not None and mine != theirs:
-                raise ValueError(f"zerokern: FusedZeroAdam({name}={mine!r}), but zerokern.shard() set {theirs!r} "
-                                 f"for these params; pass it to shard() only")
-        if process_group is not None and process_group is not units[0].comm.group:
-            raise ValueError("zerokern: FusedZeroAdam got another process_group than zerokern.shard(); pass it "
-                             "to shard() only")
-        return units[0].comm, config
-    if zero_stage == 3:
-        raise ValueError("zero_stage=3 (sharded parameters) is not offered yet; use 0, 1 or 2")
-    if isinstance(zero_stage, bool) or zero_stage not in (None, 0, 1, 2):
-        raise ValueError(f"zero_stage must be None, 0, 1 or 2, got {zero_stage!r}")
-    comm = Comm(process_group)
-    stage = zero_stage if zero_stage is not None else (2 if comm.world_size > 1 else 0)
-    return comm, ShardConfig(stage, 25.0 if bucket_cap_mb is None else bucket_cap_mb,
-                             True if overlap_comm is None else overlap_comm, offload)
-
-
-def _validated_groups(params):
-    """The param groups, checked: tensors, floating point, each tensor once, one device."""
-    if isinstance(params, torch.Tensor):
-        raise TypeError("params must be an iterable of tensors or of param-group dicts, not a single tensor")
-    groups = list(params)
-    if not groups:
-        raise ValueError("optimizer got an empty parameter list")
-    if not isinstance(groups[0], dict):
-        groups = [{"params": groups}]
-    seen, device, k = {}, None, 0
-    for gi, group in enumerate(groups):
-        ps = group["params"]
-        ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
-        group["params"] = ps
-        for p in ps:
-            where = f"params[{k}] (group {gi})"
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(f"{where} is {type(p).__name__}, expected a tensor")
-            if not p.is_floating_point():
-                raise TypeError(f"{where} is {p.dtype}; FusedZeroAdam trains floating-point params only")
-            if p.dtype not in (torch.float32, torch.float16, torch.bfloat16) and p.requires_grad:
-                raise TypeError(f"{where} is {p.dtype}; expected float32, float16 or bfloat16")
-            if p.device.type == "meta" and p.requires_grad:
-                raise ValueError(f"{where} is on the meta device; materialise the model (to_empty() and "
-                                 "initialise it) before building the optimizer")
-            if id(p) in seen:
-                raise ValueError(f"{where} is the same tensor as params[{seen[id(p)]}]; pass each parameter once")
-            seen[id(p)] = k
-            if device is None:
-                device = p.device
-            elif p.device != device:
-                raise ValueError(f"{where} is on {p.device}, params[0] is on {device}; FusedZeroAdam needs one device")
-            k += 1
-    return groups

@@ -6,7 +6,7 @@ import copy
 import torch
 import torch.nn as nn
 
-from runtime_workers import gpt, gpt_loss, max_diff, mine, tokens
+from runtime_workers import gpt, gpt_loss, max_diff, mine, reference_step, tokens
 from zerokern import FusedZeroAdam
 
 
@@ -156,20 +156,8 @@ def random_unused_dtypes_buckets(rank, world, seed, steps=20):
     masters = [p.detach().float().clone() for p in ref.parameters()]
     ref_opt = torch.optim.AdamW([m.requires_grad_() for m in masters], lr=1e-2, weight_decay=0.01)
     for t in range(steps):
-        grads = [None] * len(masters)
-        for r in range(world):
-            ref.zero_grad()
-            if used[t][r]:
-                ref(xs[t][r], used[t][r]).backward()
-            for i, p in enumerate(ref.parameters()):
-                if p.grad is not None:
-                    grads[i] = (0 if grads[i] is None else grads[i]) + p.grad.float() / world
-        for m, gr in zip(masters, grads):
-            m.grad = gr
-        ref_opt.step()
-        with torch.no_grad():
-            for m, p in zip(masters, ref.parameters()):
-                p.copy_(m)
+        reference_step(ref, masters, ref_opt,
+                       lambda r: used[t][r] and ref(xs[t][r], used[t][r]).backward(), world)
     worst = {str(dt): 0.0 for dt in (torch.float32, torch.bfloat16)}
     for a, b in zip(model.parameters(), ref.parameters()):
         worst[str(a.dtype)] = max(worst[str(a.dtype)], (a.float() - b.float()).abs().max().item())

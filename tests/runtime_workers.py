@@ -68,6 +68,25 @@ def max_diff(a, b):
                for x, y in zip(a.parameters(), b.parameters()))
 
 
+def reference_step(ref, masters, ref_opt, backward_on_rank, world):
+    """One torch.optim.AdamW step on fp32 masters over the ranks' averaged grads (a rank without a
+    grad adds zeros; None where no rank had one, which AdamW skips), written back into ref's params
+    (which may be bf16)."""
+    grads = [None] * len(masters)
+    for r in range(world):
+        ref.zero_grad()
+        backward_on_rank(r)
+        for i, p in enumerate(ref.parameters()):
+            if p.grad is not None:
+                grads[i] = (0 if grads[i] is None else grads[i]) + p.grad.float() / world
+    for m, g in zip(masters, grads):
+        m.grad = g
+    ref_opt.step()
+    with torch.no_grad():
+        for m, p in zip(masters, ref.parameters()):
+            p.copy_(m)
+
+
 def adamw_reference(steps, lr=1e-2, wd=0.05, seed=0):
     model = gpt(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd)
@@ -264,20 +283,8 @@ def mixed_dtypes_unused_on_one_rank(rank, world, overlap):
     masters = [p.detach().float().clone().requires_grad_() for p in ref.parameters()]
     ref_opt = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.0)
     for _ in range(3):
-        grads = [torch.zeros_like(m) for m in masters]
-        for r in range(world):
-            ref.zero_grad()
-            ref(x[r * 4:(r + 1) * 4], use_e1=r != world - 1).backward()
-            for g, p in zip(grads, ref.parameters()):
-                if p.grad is not None:
-                    g += p.grad.float() / world
-        ref_opt.zero_grad()
-        for m, g in zip(masters, grads):
-            m.grad = g
-        ref_opt.step()
-        with torch.no_grad():
-            for m, p in zip(masters, ref.parameters()):
-                p.copy_(m)
+        reference_step(ref, masters, ref_opt, lambda r: ref(x[r * 4:(r + 1) * 4], use_e1=r != world - 1).backward(),
+                       world)
     return {"diff": max_diff(model, ref)}
 
 

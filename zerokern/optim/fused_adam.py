@@ -10,6 +10,7 @@ needs from a fast Adam.
 import torch
 
 from ..kernels.ops import fused_adam_
+from ..zero import exit_drain
 from .hyper import check_hyper as _check_hyper
 
 
@@ -32,6 +33,8 @@ class FusedAdam(torch.optim.Optimizer):
                         bias_correction=bias_correction)
         super().__init__(params, defaults)
         self.backend = backend
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            exit_drain.register()  # DeepSpeed's gloo collectives, with or without register()
 
     @torch.no_grad()
     def step(self, closure=None):

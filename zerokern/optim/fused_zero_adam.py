@@ -345,7 +345,7 @@ class FusedZeroAdam(torch.optim.Optimizer):
         device = shards[0].device if shards else torch.device("cpu")
         if not shards:
             return torch.zeros((), device=device)
-        norms = torch.stack([torch.linalg.vector_norm(t, norm_type, dtype=torch.float32) for t in shards])
+        norms = torch.stack(torch._foreach_norm(shards, norm_type, dtype=torch.float32))  # one call, fp32
         sharded = self.comm.distributed and self.zero_stage >= 1  # each rank holds a different part
         if norm_type == float("inf"):
             total = norms.max()

@@ -2,9 +2,9 @@
 
 from . import ops
 from .ops import available_backends, unavailable_backends
-from .optim import FusedAdam, FusedZeroAdam
+from .optim import FusedAdam, FusedZeroAdam, GradScaler
 from .zero import OffloadPolicy, shard
 
-__all__ = ["ops", "FusedAdam", "FusedZeroAdam", "OffloadPolicy", "shard", "available_backends",
+__all__ = ["ops", "FusedAdam", "FusedZeroAdam", "GradScaler", "OffloadPolicy", "shard", "available_backends",
            "unavailable_backends"]
 __version__ = "0.1.0"

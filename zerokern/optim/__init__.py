@@ -2,5 +2,6 @@
 
 from .fused_adam import FusedAdam
 from .fused_zero_adam import FusedZeroAdam, StepOptions
+from .grad_scaler import GradScaler
 
-__all__ = ["FusedAdam", "FusedZeroAdam", "StepOptions"]
+__all__ = ["FusedAdam", "FusedZeroAdam", "GradScaler", "StepOptions"]

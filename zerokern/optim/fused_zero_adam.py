@@ -78,10 +78,13 @@ class FusedZeroAdam(torch.optim.Optimizer):
     fp16/bf16 masters are read from the params at the first step, and
     reload_master_weights() re-reads them after a model-only load.
 
-    With torch.amp.GradScaler (fp16): scaler.scale(loss).backward();
-    scaler.step(opt); scaler.update(). An inf/nan on any rank skips the step on
-    every rank and every rank's scaler backs off alike; unscaling and the skip
-    happen inside the fused kernel. Do not call scaler.unscale_(opt): clip with
+    With torch.amp.GradScaler (fp16 params, or fp32/bf16 under autocast):
+    scaler.scale(loss).backward(); scaler.step(opt); scaler.update(). An inf/nan
+    on any rank skips the step on every rank and every rank's scaler backs off
+    alike; unscaling and the skip happen inside the fused kernel. If every
+    backward of a step runs under no_sync(), use zerokern.GradScaler (same
+    arguments), whose inf check agrees across ranks; a plain scaler then raises
+    rather than letting the ranks' scales drift apart. Do not call scaler.unscale_(opt): clip with
     max_grad_norm, which uses the global norm over all shards inside the fused
     update; the last norm is in opt.last_grad_norm.
     """
@@ -133,6 +136,8 @@ class FusedZeroAdam(torch.optim.Optimizer):
         self.schedule = ReduceSchedule([f.buckets[b] for f, b in placed], self.comm, config.overlap_comm,
                                        self._share_overflow)
         self._check_overflow = any(p.dtype == torch.float16 for p in self._trainable)
+        # [Note: overflow on any rank]: where .grad is local (sharded, several ranks)
+        self._share_overflow_after_backward = self.comm.distributed and config.stage >= 1
         for u in self.units:
             u.schedule = self.schedule
         self._broadcast_params()  # before the stores read their masters
@@ -225,11 +230,13 @@ class FusedZeroAdam(torch.optim.Optimizer):
     # --- backward ----------------------------------------------------------
 
     def _share_overflow(self):
-        """[Note: overflow on any rank] GradScaler checks each rank's local .grad; an
-        inf/nan may land in another rank's shard only. Check the reduced shards, agree on
-        one flag (all-reduce MAX) and, if set, write an inf into a local grad, so every
-        rank's scaler sees an overflow, skips and backs off."""
-        if not self._check_overflow or not self.stores:
+        """[Note: overflow on any rank] GradScaler checks each rank's local .grad, but where
+        those are local (stages 1/2 on several ranks) an inf/nan may be in another rank's
+        grads only, or appear in a reduced shard only (an fp16 sum overflowing). Check the
+        reduced shards, agree on one flag (all-reduce MAX) and, if set, write an inf into a
+        local grad, so every rank's scaler sees an overflow, skips and backs off alike. Any
+        dtype: fp32/bf16 params under autocast(fp16) use a scaler too. No host sync."""
+        if not self._share_overflow_after_backward or not self.stores:
             return
         shards = [s.bucket.reduced_grad() for s in self.stores]
         flag = torch.zeros((), device=shards[0].device)
@@ -241,6 +248,16 @@ class FusedZeroAdam(torch.optim.Optimizer):
                 if p.numel() and p.grad is not None:
                     s.bucket.poke_overflow(p.grad.view(-1)[:1], flag)
                     return
+
+    def share_found_inf(self, found_inf_per_device):
+        """Called by zerokern.GradScaler after its inf check of the local grads: every rank
+        gets the same found_inf (all-reduce MAX), also when the reduction happens in step()
+        (every backward under no_sync()), which the check after backward cannot cover."""
+        if self.comm.distributed:
+            works = [self.comm.all_reduce(t, op=torch.distributed.ReduceOp.MAX, name="found_inf")
+                     for t in found_inf_per_device.values()]
+            for w in works:
+                self.comm.wait(w)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -270,7 +287,7 @@ class FusedZeroAdam(torch.optim.Optimizer):
         if found_inf is not None and grad_scale is None:
             raise RuntimeError("scaler.unscale_(optimizer) is not supported with FusedZeroAdam (the grads it "
                                "would unscale are already reduced); clip with FusedZeroAdam(max_grad_norm=...)")
-        had, skip = self._prepare(found_inf)
+        had, skip = self._prepare(found_inf, grad_scale)
         if had and not any(had) and not self._warned_no_grads:
             self._warned_no_grads = True
             warnings.warn("FusedZeroAdam.step(): no parameter had a gradient on any rank, so nothing was updated. "
@@ -289,7 +306,7 @@ class FusedZeroAdam(torch.optim.Optimizer):
                     f.unbind_released()
         return loss
 
-    def _prepare(self, found_inf):
+    def _prepare(self, found_inf, grad_scale=None):
         """Everything step() needs before the update: a backward that never finished is
         reset, what the model did to params and grads is adopted, the ranks agree on which
         params had grads and which buckets need reducing, and those are reduced."""
@@ -298,7 +315,7 @@ class FusedZeroAdam(torch.optim.Optimizer):
         for u in self.units:
             u.sync_from_model()
         self._refresh_changed_masters()
-        had, needs, skip = self._agree(found_inf)  # raises on every rank if any rank edited local grads
+        had, needs, skip = self._agree(found_inf, grad_scale)  # raises on every rank if any rank edited local grads
         self.schedule.reduce(needs)
         if self._check_overflow and any(needs):
             # [Note: overflow on any rank] for what was reduced here rather than in backward
@@ -357,7 +374,7 @@ class FusedZeroAdam(torch.optim.Optimizer):
             self.comm.wait(self.comm.all_reduce(total, name="grad_norm"))
         return total.pow(1.0 / norm_type)
 
-    def _agree(self, found_inf):
+    def _agree(self, found_inf, grad_scale=None):
         """(global had-grad flag per trainable param, which buckets to reduce, skip).
         Distributed or with a GradScaler: one all-reduce MAX and one host read per step;
         one process without a scaler: neither (the flags are already on the host)."""
@@ -375,15 +392,33 @@ class FusedZeroAdam(torch.optim.Optimizer):
         edited = [b.edited() for b in buckets]
         n, m = len(had), len(needs)
         device = self.stores[0].bucket.device if self.stores else torch.device("cpu")
-        # the last: found_inf
-        flags = torch.tensor(had + needs + edited + [False], dtype=torch.float32, device=device)
+        # the last four: found_inf and grad_scale, each as x and -x, so one MAX gives max and min
+        flags = torch.tensor(had + needs + edited + [0.0] * 4, dtype=torch.float32, device=device)
         if found_inf is not None:
-            flags[n + 2 * m] = found_inf.reshape(()).to(device)
+            f = found_inf.reshape(()).to(device, torch.float32)
+            flags[n + 2 * m:n + 2 * m + 2] = torch.stack([f, -f])
+        if grad_scale is not None:
+            g = grad_scale.reshape(()).to(device, torch.float32)
+            flags[n + 2 * m + 2:] = torch.stack([g, -g])
         self.comm.wait(self.comm.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, name="grad_flags"))
-        values = [v > 0 for v in flags.tolist()]
-        if any(values[n + m:n + 2 * m]):
-            self._raise_edited([b for b, e in zip(buckets, values[n + m:n + 2 * m]) if e])
-        return values[:n], values[n:n + m], values[n + 2 * m]
+        values = flags.tolist()
+        if any(v > 0 for v in values[n + m:n + 2 * m]):
+            self._raise_edited([b for b, e in zip(buckets, values[n + m:n + 2 * m]) if e > 0])
+        inf_max, inf_min, scale_max, scale_min = values[n + 2 * m], -values[n + 2 * m + 1], values[-2], -values[-1]
+        if grad_scale is not None and scale_max != scale_min:
+            raise RuntimeError(
+                f"zerokern: the GradScalers of the ranks hold different scales ({scale_min} to {scale_max}), so "
+                "each rank's gradients were scaled differently and their average is wrong. Give every rank the "
+                "same GradScaler settings and state (init_scale, a loaded state_dict), and use "
+                "zerokern.GradScaler so their inf checks agree")
+        if found_inf is not None and (inf_max > 0) != (inf_min > 0):
+            raise RuntimeError(
+                "zerokern: GradScaler found an inf/nan in the local gradients of some ranks only, so the ranks' "
+                "scalers would back off differently and scale the next gradients differently. This happens when "
+                "the backward before scaler.step() ran under no_sync() (the reduction then happens in step(), "
+                "after the scalers looked). Use zerokern.GradScaler (a torch.amp.GradScaler whose inf check "
+                "agrees across ranks), or run the last backward before each step synced")
+        return [v > 0 for v in values[:n]], [v > 0 for v in values[n:n + m]], inf_max > 0
 
     def _raise_edited(self, buckets):
         names = [s.flat.names[i] for s in self.stores if s.bucket in buckets for i in s.bucket.plan.tensors]

@@ -102,15 +102,19 @@ def grad_none_with_max_grad_norm(rank, world):
     return {"diff": max_diff(model, ref)}
 
 
-def checkpoint_before_first_step(rank, world):
-    """bf16 params: weights loaded after the optimizer was built, a shard state dict saved before
-    the first step and loaded back: the first step trains the loaded weights."""
+def checkpoint_before_first_step(rank, world, order):
+    """bf16 params: weights loaded after the optimizer was built, and a shard state dict taken
+    before the first step and loaded back, in either order (the optimizer's round trip first is
+    what accelerator.prepare does): the first step trains the loaded weights."""
     torch.set_num_threads(1)
     model = gpt(0).bfloat16()
     opt = FusedZeroAdam(model.parameters(), lr=1e-2, zero_stage=2)
     pretrained = gpt(7).bfloat16()
+    if order == "optimizer_first":
+        opt.load_state_dict(opt.state_dict())
     model.load_state_dict(pretrained.state_dict())
-    opt.load_state_dict(opt.state_dict())
+    if order == "model_first":
+        opt.load_state_dict(opt.state_dict())
     opt.zero_grad()
     gpt_loss(model, mine(tokens(1)[0], rank, world)).backward()
     opt.step()

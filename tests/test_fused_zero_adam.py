@@ -93,11 +93,11 @@ def test_resume_at_another_world_size(tmp_path):
     path = str(tmp_path / "ck.pt")
     saved = dist_harness.values(dist_harness.run(W.checkpoint_save, 4, path, 6))
     assert saved[0]["full_is_none"] is False and all(s["full_is_none"] for s in saved[1:])
-    assert [s["shard_rank"] for s in saved] == [0, 1, 2, 3]
+    assert all(s["shard_format"] == 3 for s in saved)
     resumed = dist_harness.values(dist_harness.run(W.checkpoint_resume, 2, path, 6, 6))
     for r in resumed:
         assert r["diff"] < TOL[torch.bfloat16], r
-        assert r["refused"] and "saved with rank=" in r["refused"]
+        assert r["refused"] and "loads only into the same rank" in r["refused"], r
 
 
 # --- single process ---------------------------------------------------------

@@ -36,8 +36,9 @@ def test_grad_none_is_left_out_of_the_clip_norm():
         assert r["diff"] < 2e-5, r
 
 
-def test_state_dict_before_the_first_step_keeps_loaded_weights():
-    for r in dist_harness.values(dist_harness.run(W.checkpoint_before_first_step, 2, timeout=120)):
+@pytest.mark.parametrize("order", ["model_first", "optimizer_first"])
+def test_state_dict_before_the_first_step_keeps_loaded_weights(order):
+    for r in dist_harness.values(dist_harness.run(W.checkpoint_before_first_step, 2, order, timeout=120)):
         # one step at lr 1e-2 moves each bf16 weight by about 1e-2, not back to the random init
         assert r["moved_from_pretrained"] < 3e-2, r
 

@@ -11,6 +11,7 @@ docs/DESIGN.md has the whole picture.
 import contextlib
 import hashlib
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -25,6 +26,19 @@ from ..zero.store import ShardStore
 from .hyper import check_hyper
 from .update_lists import UniformCalls, extend_calls
 from .zero_setup import sharding, validated_groups
+
+
+def owner_of(params) -> Optional["FusedZeroAdam"]:
+    """The one FusedZeroAdam that trains every tensor in `params`, else None (none given, one
+    not owned, or owners that differ). Integrations ask this before changing what they do."""
+    owner = None
+    for p in params:
+        u = unit_of(p)
+        opt = u.schedule.owner() if u is not None and u.schedule is not None and u.schedule.owner else None
+        if opt is None or (owner is not None and opt is not owner):
+            return None
+        owner = opt
+    return owner
 
 
 @dataclass(frozen=True)
@@ -138,6 +152,7 @@ class FusedZeroAdam(torch.optim.Optimizer):
         self._check_overflow = any(p.dtype == torch.float16 for p in self._trainable)
         # [Note: overflow on any rank]: where .grad is local (sharded, several ranks)
         self._share_overflow_after_backward = self.comm.distributed and config.stage >= 1
+        self.schedule.owner = weakref.ref(self)
         for u in self.units:
             u.schedule = self.schedule
         self._broadcast_params()  # before the stores read their masters
@@ -168,6 +183,10 @@ class FusedZeroAdam(torch.optim.Optimizer):
                   "exp_avg_sq": store.exp_avg_sq[off:off + n]}
             if store.separate_master:
                 st["master_param"] = store.master[off:off + n]
+            if self.comm.distributed and self.zero_stage >= 1:  # [Note: sharded state in checkpoints]
+                for key in checkpoint.SLICED:
+                    if key in st:
+                        checkpoint.mark_slice(st[key], start, n, p.numel())
             self.state[p] = st
             out.append((tindex[p], off, n, start))
         return out
@@ -216,12 +235,13 @@ class FusedZeroAdam(torch.optim.Optimizer):
     # --- construction checks -----------------------------------------------
 
     def _check_same_on_every_rank(self, params, config):
-        desc = repr([(tuple(p.shape), str(p.dtype), p.requires_grad) for p in params])
+        desc = repr(([(tuple(p.shape), str(p.dtype), p.requires_grad) for p in params],
+                     [len(g["params"]) for g in self.param_groups]))
         mine = (hashlib.sha256(desc.encode()).hexdigest()[:16], len(params), sum(p.numel() for p in params),
                 repr(config), repr(self.options))
         everyone = self.comm.gather_objects(mine)  # one collective, on every rank
         if any(other != everyone[0] for other in everyone):
-            lines = [f"rank {r}: {n} params, {numel} elements, shapes/dtypes/order #{h}, {cfg}, {opts}"
+            lines = [f"rank {r}: {n} params, {numel} elements, shapes/dtypes/order/groups #{h}, {cfg}, {opts}"
                      for r, (h, n, numel, cfg, opts) in enumerate(everyone)]
             raise ValueError("FusedZeroAdam: the ranks passed different parameters (shapes, dtypes or order) or "
                              "options; every rank must build the optimizer for the same model:\n  "
@@ -430,7 +450,9 @@ class FusedZeroAdam(torch.optim.Optimizer):
             "torch.nn.utils.clip_grad_norm_ clipping each rank by its own norm, would not give DDP's numbers. "
             "Clip with opt.clip_grad_norm_(max_norm) or FusedZeroAdam(max_grad_norm=...); mask or scale grads "
             "in a hook (p.register_hook) or through the loss; or use zero_stage=0, where .grad holds the "
-            "averaged gradient as under DDP")
+            "averaged gradient as under DDP. If the model is wrapped in DistributedDataParallel, DDP wrote "
+            "its all-reduce into the grads: do not wrap it (HF Trainer: zerokern.integrations.hf.ZeroTrainer; "
+            "Accelerate: zerokern.integrations.accelerate.attach)")
 
     def _grad_scale_with_clipping(self, grad_scale, had):
         """The divisor of the reduced grads: the loss scale, times the clip factor."""

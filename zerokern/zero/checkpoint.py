@@ -2,31 +2,53 @@
 torch.load(weights_only=True) reads them.
 
 Shard (opt.state_dict()): torch.optim.AdamW's format, with this rank's slice of
-each param (flattened) in place of the whole, plus where the slices lie:
+each param (flattened) in place of the whole:
     {"state": {index: {"step", "exp_avg", "exp_avg_sq"[, "master_param"]}},
      "param_groups": [every key, as torch.optim],
-     "zerokern": {"format": 2, "kind": "shard", "rank", "world_size", "zero_stage", "param_numels",
-                  "layout", "slices": {index: (start, numel)}}}
+     "zerokern": {"format": 3, "kind": "shard", "world_size", "zero_stage", "rank", "slices"}}
 Full (opt.full_state_dict(), rank 0): torch.optim.AdamW's format for whole params,
 plus {"zerokern_master": {index: fp32 tensor}} for fp16/bf16 params (AdamW ignores it).
 
+[Note: sharded state in checkpoints] Where the state is sharded (stages 1/2 on
+several ranks) each slice carries where it lies in the flattened param, as the
+attributes of torch.distributed.checkpoint's CheckpointableTensor protocol
+(global_shape, global_offsets, local_offsets, local_sizes). So dcp.save of
+opt.state_dict() or of get_optimizer_state_dict(model, opt) writes every rank's
+slice once, as pieces of one tensor of the param's numel, and dcp.load re-shards
+them into any world size (1 included, where the state is whole). torch.save keeps
+the attributes too, and they tell load_state_dict which slice a tensor is; the
+meta block's rank and slices are used only for a copy that lost them (DCP keeps
+one rank's copy of that block, harmless since the tensors it loads keep theirs).
+
 load_state_dict takes either, or a torch.optim.AdamW state dict for the same
 params: per param, a state tensor as large as the param is sliced to this
-rank's part; one as large as this rank's slice is taken as that slice.
+rank's part; a marked slice must be this rank's slice.
 """
 
 import torch
 
-FORMAT = 2
-_KEYS = ("exp_avg", "exp_avg_sq", "master_param")
+FORMAT = 3
+SLICED = ("exp_avg", "exp_avg_sq", "master_param")
+
+
+def mark_slice(t, start, n, numel):
+    """Mark `t` (n elements) as the slice [start, start + n) of a flattened tensor of `numel`."""
+    t.global_shape = (numel,)
+    t.global_offsets = ((start,),) if n else ()
+    t.local_offsets = ((0,),) if n else ()
+    t.local_sizes = ((n,),) if n else ()
+
+
+def _slice_of(t):
+    """(start, n, numel) of a marked slice, else None."""
+    shape, offsets = getattr(t, "global_shape", None), getattr(t, "global_offsets", None)
+    if shape is None or offsets is None:
+        return None
+    return (offsets[0][0] if offsets else 0), t.numel(), shape[0]
 
 
 def _params(opt):
     return [p for g in opt.param_groups for p in g["params"]]
-
-
-def _layout_signature(opt):
-    return [s.bucket.plan.padded_numel for s in opt.stores]
 
 
 def _slices(opt):
@@ -37,19 +59,14 @@ def _slices(opt):
 
 def shard_state_dict(opt):
     sd = torch.optim.Optimizer.state_dict(opt)
-    index = {p: k for k, p in enumerate(_params(opt))}
     for s in opt.stores:
-        if s.separate_master and not s.master_valid:
-            # Not read from the params yet (that happens at the first step): leave it out, so
-            # loading this dict reads it from the params then too.
-            for i in s.bucket.plan.tensors:
-                k = index[s.flat.params[i]]
-                sd["state"][k] = {key: v for key, v in sd["state"][k].items() if key != "master_param"}
-    sd["zerokern"] = {
-        "format": FORMAT, "kind": "shard", "rank": opt.comm.rank, "world_size": opt.comm.world_size,
-        "zero_stage": opt.zero_stage, "param_numels": [p.numel() for p in _params(opt)],
-        "layout": _layout_signature(opt), "slices": _slices(opt),
-    }
+        # Masters not read from the params yet hold what the params hold now (so every state
+        # dict has every key: dcp.load fills in place only the keys it is given).
+        s.fill_unread_master()
+    # rank and slices matter only for a copy that lost the marks (DCP keeps one rank's copy of
+    # this block, which is harmless: the tensors it loads in place keep theirs)
+    sd["zerokern"] = {"format": FORMAT, "kind": "shard", "world_size": opt.comm.world_size,
+                      "zero_stage": opt.zero_stage, "rank": opt.comm.rank, "slices": _slices(opt)}
     return sd
 
 
@@ -114,69 +131,95 @@ def _load_groups(opt, saved):
                 mine[key] = tuple(value) if key == "betas" else value
 
 
-def _check_shard(opt, meta):
+def _check_shard(meta):
+    if meta.get("kind") == "elsewhere":
+        raise ValueError(f"this is a note, not optimizer state: the state was saved with "
+                         f"torch.distributed.checkpoint into '{meta.get('path')}' next to it (accelerator.save_state "
+                         "with zerokern.integrations.accelerate.attach); load it with accelerator.load_state")
     if meta.get("format") != FORMAT:
         raise ValueError(f"this shard is format {meta.get('format')}, this zerokern reads format {FORMAT}; "
-                         "load a full_state_dict() instead")
-    here = {"rank": opt.comm.rank, "world_size": opt.comm.world_size, "zero_stage": opt.zero_stage,
-            "layout": _layout_signature(opt)}
-    for key, value in here.items():
-        if meta.get(key) != value:
-            raise ValueError(f"this shard was saved with {key}={meta.get(key)!r}, but this optimizer has "
-                             f"{key}={value!r}; a shard loads only into the same rank, world size, stage and bucket "
-                             "layout (load a full_state_dict() to re-shard)")
-    if meta["param_numels"] != [p.numel() for p in _params(opt)]:
-        raise ValueError("this shard was saved for parameters of other sizes")
+                         "load a full_state_dict() (or a torch.distributed.checkpoint) instead")
 
 
 @torch.no_grad()
 def load_state_dict(opt, sd):
     meta = sd.get("zerokern") if isinstance(sd, dict) else None
-    if meta is not None and meta.get("kind") == "shard":
-        _check_shard(opt, meta)
+    if meta is not None and meta.get("kind") in ("shard", "elsewhere"):
+        _check_shard(meta)
     params = _params(opt)
-    index = {p: k for k, p in enumerate(params)}
-    state = {int(k): v for k, v in sd["state"].items()}
-    masters = {int(k): v for k, v in sd.get("zerokern_master", {}).items()}
-    slices = _slices(opt)
-    for k in state:
-        if not 0 <= k < len(params):
-            raise ValueError(f"the state dict has state for param {k}; the optimizer has {len(params)} params")
     # Every check first (sizes, param groups), so a refused dict changes nothing.
     _check_groups(opt, sd["param_groups"])
+    # As torch.optim: the state is keyed by what the saved param groups list (indices, or
+    # names from torch.distributed.checkpoint's helpers), matched to our params by position.
+    position = {key: k for k, key in enumerate(key for g in sd["param_groups"] for key in g["params"])}
+    state, masters = {}, {}
+    for into, saved in ((state, sd["state"]), (masters, sd.get("zerokern_master", {}))):
+        for key, v in saved.items():
+            if key not in position:
+                raise ValueError(f"the state dict has state for param {key!r}, which none of its param groups "
+                                 "lists")
+            into[position[key]] = v
+    slices = _slices(opt)
+    # An unmarked tensor of a slice's size is taken as this rank's slice only if the dict says
+    # it was saved by this rank with these slices (a copy lost the marks: tensor.to("cpu:0")).
+    mine_too = (meta is not None and meta.get("rank") == opt.comm.rank and meta.get("slices") == slices
+                and meta.get("world_size") == opt.comm.world_size)
     copies = []  # (destination, source or None for zeros)
     steps = []
+    master_src = {}  # id(master view) -> the slice loaded into it
     for k, p in enumerate(params):
         if p not in opt.state or k not in slices:
             continue
         mine, theirs = opt.state[p], state.get(k, {})
         start, n = slices[k]
+
+        def part(t, key):
+            return _my_slice(t, p, start, n, k, key, opt.comm.rank, mine_too)
+
         for key in ("exp_avg", "exp_avg_sq"):
-            copies.append((mine[key], _my_slice(theirs[key], p, start, n, k, key) if key in theirs else None))
+            copies.append((mine[key], part(theirs[key], key) if key in theirs else None))
         steps.append((mine["step"], float(theirs.get("step", 0))))
         master = theirs.get("master_param", masters.get(k))
         if "master_param" in mine and master is not None:
-            copies.append((mine["master_param"], _my_slice(master, p, start, n, k, "master_param")))
+            master_src[id(mine["master_param"])] = part(master, "master_param")
+            copies.append((mine["master_param"], master_src[id(mine["master_param"])]))
+    # A separate master becomes valid when the dict has every one of the store's, unless they
+    # are what state_dict() filled in, unchanged (a round trip, as Accelerate's prepare does):
+    # then it is still read from the params at the next step, so weights loaded into the model
+    # after this are the ones trained.
+    valid = {}
+    for s in opt.stores:
+        if s.separate_master:
+            views = [opt.state[s.flat.params[i]]["master_param"] for i in s.bucket.plan.tensors]
+            given = [master_src.get(id(v)) for v in views]
+            valid[s] = all(g is not None for g in given) and not s.is_round_trip(views, given)
     _load_groups(opt, sd["param_groups"])
     for dst, src in copies:
         dst.zero_() if src is None else dst.copy_(src)
     for dst, value in steps:
         dst.fill_(value)
-    for s in opt.stores:
-        # A separate master comes from the state dict when it has every one of the store's; else
-        # it is read from the params at the next step.
-        if s.separate_master:
-            ks = [index[s.flat.params[i]] for i in s.bucket.plan.tensors]
-            s.master_valid = all(("master_param" in state.get(k, {})) or k in masters for k in ks)
+    for s, ok in valid.items():
+        s.master_valid = ok
     opt._steps = [int(opt.state[p]["step"].item()) for p in opt._trainable]
     opt._uniform_steps = len(set(opt._steps)) <= 1
 
 
-def _my_slice(t, p, start, n, k, key):
-    flat = t.reshape(-1)
-    if flat.numel() == p.numel():
-        return flat[start:start + n]
-    if flat.numel() == n:
-        return flat
-    raise ValueError(f"state[{k}]['{key}'] has {flat.numel()} elements; param {k} has {p.numel()} and this rank's "
-                     f"slice of it {n}")
+def _my_slice(t, p, start, n, k, key, rank, mine_too):
+    """This rank's part of a saved state tensor: a whole one (any shape of p's numel) sliced,
+    a marked slice that is exactly this rank's, or an unmarked one from this rank's shard."""
+    where = _slice_of(t)
+    if where is not None and where[2] == p.numel() and where[:2] == (start, n):
+        return t.reshape(-1)
+    if where is None and t.numel() == p.numel():
+        return t.reshape(-1)[start:start + n]
+    if where is None and mine_too and t.numel() == n:
+        return t.reshape(-1)
+    got = (f"is the slice [{where[0]}, {where[0] + where[1]}) of {where[2]} elements" if where is not None
+           else f"has {t.numel()} elements")
+    raise ValueError(
+        f"state[{k}]['{key}'] {got}, but param {k} has {p.numel()} elements and this rank (rank "
+        f"{rank}) holds [{start}, {start + n}) of them. A shard from opt.state_dict() loads only into the "
+        "same rank at the same world size and bucket layout; to re-shard, save with torch.distributed.checkpoint "
+        "(dcp.save of get_optimizer_state_dict) or opt.full_state_dict()")
+
+

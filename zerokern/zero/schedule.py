@@ -33,6 +33,7 @@ class ReduceSchedule:
         self.comm = comm
         self.overlap = overlap
         self.after_backward = after_backward  # e.g. sharing an fp16 overflow across ranks
+        self.owner = None  # a weak reference to the optimizer driving this schedule
         self.state = BackwardState.IDLE
         self._next = 0  # buckets before this one were launched in the running backward
         self._position = {id(b): k for k, b in enumerate(buckets)}

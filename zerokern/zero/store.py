@@ -42,6 +42,7 @@ class ShardStore:
         # A separate master is read again at the first step: weights loaded into the model
         # between construction and the first step are the ones trained.
         self.master_valid = not self.separate_master
+        self._filled_version = None  # the master's _version after fill_unread_master()
 
     def param_shard(self) -> torch.Tensor:
         return self._param_shard
@@ -52,6 +53,22 @@ class ShardStore:
         if self.separate_master:
             self.master.copy_(self.param_shard())
         self.master_valid = True
+
+    def fill_unread_master(self) -> None:
+        """For a state dict taken before the first step: the master holds what the params hold
+        now, but stays unread (a model loaded after this still reaches it at the first step).
+        The fill is remembered, so that the same dict loaded back unchanged (a round trip,
+        as Accelerate's prepare does) leaves it unread too."""
+        if self.separate_master and not self.master_valid:
+            self.master.copy_(self.param_shard())
+            self._filled_version = self.master._version
+
+    def is_round_trip(self, views, given) -> bool:
+        """Would loading `given` into this store's master `views` load nothing new: the master
+        is unwritten since fill_unread_master(), and `given` holds the same values (views of
+        it, or copies: a dcp.load into the views would have written them)?"""
+        return (self._filled_version is not None and self._filled_version == self.master._version
+                and all(torch.equal(v, g) for v, g in zip(views, given)))
 
     def refresh_params(self, indices) -> None:
         """A separate master re-reads the slices of these params (adopted with new values)."""

@@ -1,0 +1,112 @@
+"""Accelerate loop for tests/test_accelerate.py (torchrun, or plainly for one process): an MLP
+trained with accumulate(), clip_grad_norm_ and a warmup schedule, with torch AdamW under
+Accelerate's DDP (--optimizer torch) or with FusedZeroAdam on an attach()ed Accelerator
+(--optimizer zero). Checkpoints go through torch.distributed.checkpoint. Rank 0 writes the
+losses, the final params and the number of gradient reductions to --out."""
+
+import argparse
+import os
+
+import torch
+import torch.distributed.checkpoint as dcp
+from accelerate import Accelerator
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+
+STEPS, ACCUM, GLOBAL_BATCH = 10, 2, 8
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--optimizer", choices=["torch", "zero"], required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--save", default=None, help="DCP checkpoint directory, written after step 5")
+    ap.add_argument("--resume", default=None, help="DCP checkpoint directory to start from (step 5)")
+    ap.add_argument("--ckpt", choices=["dcp", "accelerate"], default="dcp",
+                    help="torch.distributed.checkpoint, or accelerator.save_state/load_state")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    accelerator = Accelerator(gradient_accumulation_steps=ACCUM, cpu=True)
+    world = accelerator.num_processes
+    if args.optimizer == "zero":
+        from zerokern.integrations.accelerate import attach
+        attach(accelerator)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.GELU(), torch.nn.Linear(32, 5))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(STEPS * ACCUM * GLOBAL_BATCH, 12, generator=g)
+    y = x @ torch.randn(12, 5, generator=g)  # learnable: the loss must fall
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=GLOBAL_BATCH // world)
+    if args.optimizer == "zero":
+        from zerokern import FusedZeroAdam
+        opt = FusedZeroAdam(model.parameters(), lr=5e-2, weight_decay=0.01, zero_stage=2, bucket_cap_mb=0.002)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=5e-2, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+    model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
+
+    reductions = [0]
+    inner = getattr(opt, "optimizer", opt)
+    if args.optimizer == "zero":
+        comm = inner.comm
+        counted = comm.reduce_scatter
+
+        def counting(*a, **k):
+            reductions[0] += 1
+            return counted(*a, **k)
+        comm.reduce_scatter = counting
+
+    step, losses = 0, {}
+    if args.resume:
+        if args.ckpt == "accelerate":
+            accelerator.load_state(args.resume)
+        else:
+            sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, inner)}
+            dcp.load(sd, checkpoint_id=args.resume)
+            set_model_state_dict(model, sd["model"])
+            set_optimizer_state_dict(model, inner, sd["optim"])
+            sched.load_state_dict(torch.load(os.path.join(args.resume, "sched.pt"), weights_only=True))
+        step = 5
+        loader = accelerator.skip_first_batches(loader, step * ACCUM)
+    micro = 0
+    for xb, yb in loader:
+        with accelerator.accumulate(model):
+            loss = (model(xb) - yb).square().mean()
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        micro += 1
+        total = accelerator.reduce(loss.detach(), reduction="mean").item()
+        losses[step] = losses.get(step, 0.0) + total / ACCUM
+        if accelerator.sync_gradients:
+            step += 1
+            if args.save and step == 5 and args.ckpt == "accelerate":
+                accelerator.save_state(args.save)
+            elif args.save and step == 5:
+                dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, inner)},
+                         checkpoint_id=args.save)
+                if accelerator.is_main_process:
+                    torch.save(sched.state_dict(), os.path.join(args.save, "sched.pt"))
+                accelerator.wait_for_everyone()
+    saved = None
+    if args.optimizer == "zero" and not args.resume:
+        # accelerator.save_model (safetensors): every weight must be in the file
+        accelerator.save_model(model, args.out + ".model")
+        if accelerator.is_main_process:
+            from safetensors.torch import load_file
+            saved = load_file(os.path.join(args.out + ".model", "model.safetensors"))
+    if accelerator.is_main_process:
+        torch.save({"saved_model": saved, "losses": losses, "world": world, "reductions": reductions[0],
+                    "buckets": len(inner.schedule.buckets) if args.optimizer == "zero" else None,
+                    "wrapped": type(model).__name__,
+                    "params": {n: p.detach().clone() for n, p in accelerator.unwrap_model(model).named_parameters()}},
+                   args.out)
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""HF Trainer run for tests/test_hf_trainer.py (launched with torchrun, or plainly for one
+process): a tiny random-init GPT-2 on synthetic tokens, trained with torch AdamW under DDP
+(--optimizer torch) or with zerokern's ZeroTrainer (--optimizer zero). Rank 0 writes the
+logged losses and the final params to --out."""
+
+import argparse
+import os
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+STEPS, SAVE_AT, ACCUM, GLOBAL_BATCH, SEQ = 20, 10, 2, 8, 16
+
+
+class CountReductions(TrainerCallback):
+    """Counts FusedZeroAdam's reduce-scatters (one per bucket per optimizer step is expected)."""
+
+    def __init__(self):
+        self.count, self.buckets = 0, None
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        inner = getattr(optimizer, "optimizer", optimizer)
+        if not hasattr(inner, "comm"):
+            return
+        self.buckets = len(inner.schedule.buckets)
+        counted = inner.comm.reduce_scatter
+
+        def counting(*a, **k):
+            self.count += 1
+            return counted(*a, **k)
+        inner.comm.reduce_scatter = counting
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--optimizer", choices=["torch", "zero"], required=True)
+    ap.add_argument("--output-dir", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--resume", default=None)
+    ap.add_argument("--zero-stage", type=int, default=2)
+    args = ap.parse_args()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    torch.set_num_threads(1)
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=64, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = GPT2LMHeadModel(config)
+    g = torch.Generator().manual_seed(1)
+    # counting sequences from random starts (mod 64, with a random stride of 1 or 2): learnable
+    starts = torch.randint(64, (STEPS * ACCUM * GLOBAL_BATCH, 1), generator=g)
+    strides = torch.randint(1, 3, (STEPS * ACCUM * GLOBAL_BATCH, 1), generator=g)
+    seqs = (starts + strides * torch.arange(SEQ)) % 64
+    data = [{"input_ids": t, "labels": t} for t in seqs]
+    targs = TrainingArguments(
+        output_dir=args.output_dir, per_device_train_batch_size=GLOBAL_BATCH // world,
+        gradient_accumulation_steps=ACCUM, max_steps=STEPS, learning_rate=3e-3, warmup_steps=5,
+        lr_scheduler_type="linear", max_grad_norm=1.0, weight_decay=0.01, logging_steps=1,
+        save_strategy="steps", save_steps=SAVE_AT, report_to=[], use_cpu=True, seed=0,
+        dataloader_num_workers=0, disable_tqdm=True, optim="adamw_torch")
+    counter = CountReductions()
+    if args.optimizer == "torch":
+        trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=[counter])
+    else:
+        from zerokern.integrations.hf import ZeroTrainer
+        trainer = ZeroTrainer(model=model, args=targs, train_dataset=data, callbacks=[counter],
+                              zero_kwargs={"zero_stage": args.zero_stage, "bucket_cap_mb": 0.01})
+    trainer.train(resume_from_checkpoint=args.resume)
+    losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+    norms = {h["step"]: h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h}
+    if trainer.args.process_index == 0:
+        torch.save({"losses": losses, "grad_norms": norms, "world": world, "reductions": counter.count,
+                    "buckets": counter.buckets,
+                    "optimizer": type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__,
+                    "wrapped": type(trainer.model_wrapped).__name__,
+                    "params": {n: p.detach().clone() for n, p in model.named_parameters()}}, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""transformers.Trainer with FusedZeroAdam.
+
+    from zerokern.integrations.hf import ZeroTrainer
+
+    trainer = ZeroTrainer(model=model, args=TrainingArguments(..., max_grad_norm=1.0),
+                          train_dataset=ds, zero_kwargs={"zero_stage": 2})
+    trainer.train()                       # torchrun --nproc_per_node=N train.py
+    trainer.train(resume_from_checkpoint=True)   # at any world size
+
+ZeroTrainer is a Trainer that builds FusedZeroAdam from the TrainingArguments
+(learning_rate, adam_beta1/2, adam_epsilon, weight_decay with Trainer's
+no-decay groups; zero_kwargs are passed on: zero_stage, bucket_cap_mb,
+overlap_comm, ...) after Trainer has placed the model, unless you pass one
+yourself (optimizers=(opt, sched) or optimizer_cls_and_kwargs). Then, in the
+same places where Trainer special-cases DeepSpeed and FSDP:
+- its Accelerator is attach()ed (zerokern/integrations/accelerate.py): no DDP
+  wrap, gradient accumulation enters opt.no_sync(), max_grad_norm clips with
+  opt.clip_grad_norm_ (the global norm);
+- checkpoints hold the optimizer as a torch.distributed.checkpoint directory,
+  "optimizer_zerokern", written by every rank (Trainer writes optimizer.pt from
+  rank 0 only, which would hold rank 0's shard), so resume_from_checkpoint
+  works at any world size.
+Trainer's own _save_optimizer_and_scheduler and
+_load_optimizer_and_scheduler are private; tests/test_hf_trainer.py pins
+them to the transformers version installed.
+"""
+
+import os
+
+import torch
+from transformers import Trainer
+
+from ..optim import FusedZeroAdam
+from .accelerate import attach
+from .dcp import load_optimizer, save_optimizer
+
+OPTIMIZER_DIR = "optimizer_zerokern"
+SCHEDULER_NAME = "scheduler.pt"  # as transformers.trainer.SCHEDULER_NAME
+
+
+class ZeroTrainer(Trainer):
+    def __init__(self, *args, zero_kwargs=None, **kwargs):
+        self.zero_kwargs = dict(zero_kwargs or {})
+        super().__init__(*args, **kwargs)
+
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        attach(self.accelerator)
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is None and self.optimizer_cls_and_kwargs is None:
+            a = self.args
+            self.optimizer_cls_and_kwargs = (FusedZeroAdam, dict(lr=a.learning_rate, betas=(a.adam_beta1, a.adam_beta2),
+                                                                 eps=a.adam_epsilon, **self.zero_kwargs))
+        return super().create_optimizer(model) if model is not None else super().create_optimizer()
+
+    def _zero_optimizer(self):
+        opt = getattr(self.optimizer, "optimizer", self.optimizer)  # inside Accelerate's wrapper
+        return opt if isinstance(opt, FusedZeroAdam) else None
+
+    def _save_optimizer_and_scheduler(self, output_dir):
+        opt = self._zero_optimizer()
+        if opt is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        save_optimizer(self.model, opt, os.path.join(output_dir, OPTIMIZER_DIR))  # every rank
+        if self.args.should_save and self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        opt = self._zero_optimizer()
+        if opt is None or checkpoint is None or not os.path.isdir(os.path.join(checkpoint, OPTIMIZER_DIR)):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        load_optimizer(self.model, opt, os.path.join(checkpoint, OPTIMIZER_DIR))
+        if self.lr_scheduler is not None and os.path.isfile(os.path.join(checkpoint, SCHEDULER_NAME)):
+            self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))

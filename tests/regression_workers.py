@@ -48,9 +48,10 @@ def stage0_accumulation_with_a_rank_local_param(rank, world):
     return {"diff": max_diff(model, ref)}
 
 
-def fp16_sum_overflow_in_step(rank, world):
-    """fp16 grads reduced in step() (accumulated under no_sync): a sum that overflows fp16
-    where no local grad does skips the step on every rank instead of writing inf/nan."""
+def fp16_sum_overflow_in_step(rank, world, clip=False):
+    """fp16 grads reduced in step() (accumulated under no_sync), or in opt.clip_grad_norm_ just
+    before it: a sum that overflows fp16 where no local grad does skips the step on every rank
+    instead of writing inf/nan."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = nn.Linear(8, 8).half()
@@ -59,6 +60,8 @@ def fp16_sum_overflow_in_step(rank, world):
     with opt.no_sync():
         for p in model.parameters():
             p.grad = torch.full_like(p, 40000.0)  # finite here; the sum over 2 ranks is not
+    if clip:
+        opt.clip_grad_norm_(1.0)
     opt.step()
     after = list(model.parameters())
     return {"finite": all(torch.isfinite(p).all().item() for p in after),

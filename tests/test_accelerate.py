@@ -42,6 +42,7 @@ def runs(tmp_path_factory):
 def test_accelerate_loop_matches_ddp_adamw(runs):
     ref, zero = runs["ref"], runs["zero"]
     assert ref["wrapped"] == "DistributedDataParallel" and zero["wrapped"] != "DistributedDataParallel"
+    assert zero["probes"] == ref["probes"] == [0.0, 0.0], "rank 0's buffers on every rank"
     assert sorted(zero["losses"]) == list(range(10))
     worst = max(abs(zero["losses"][s] - ref["losses"][s]) for s in ref["losses"])
     print(f"\nAccelerate, 2 ranks: loss {ref['losses'][0]:.4f} -> {ref['losses'][9]:.4f} (DDP+AdamW), "
@@ -56,7 +57,7 @@ def test_accelerate_save_model_keeps_every_weight(runs):
     """The params are views of flat buckets; Accelerate's safetensors save keeps one tensor per
     storage unless it gets copies (attach's get_state_dict)."""
     saved, params = runs["zero"]["saved_model"], runs["zero"]["params"]
-    assert saved.keys() == params.keys()
+    assert saved.keys() == params.keys() | {"probe"}  # the params and the model's one buffer
     assert all(torch.equal(saved[n], params[n]) for n in params)
 
 
@@ -79,3 +80,28 @@ def test_accelerate_resume(runs, world, how):
     for s in range(5, 10):
         assert abs(resumed["losses"][s] - runs["zero"]["losses"][s]) <= tol, (s, resumed["losses"])
     assert _max_diff(resumed["params"], runs["zero"]["params"]) <= tol
+
+
+def test_a_skipped_step_is_reported_to_accelerate():
+    """GradScaler always calls FusedZeroAdam's step (it skips inside, as torch's fused AdamW), so
+    Accelerate's own test for a skipped step would say "not skipped" and Trainer would step the lr
+    scheduler anyway; attach() reports the optimizer's own decision. (One process; the scaler is
+    set by hand, as mixed_precision="fp16" does on a GPU.)"""
+    from accelerate import Accelerator
+
+    from zerokern import FusedZeroAdam
+    from zerokern.integrations.accelerate import attach
+
+    accelerator = attach(Accelerator(cpu=True))
+    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4).half()
+    opt = accelerator.prepare_optimizer(FusedZeroAdam(model.parameters(), lr=1e-2))
+    skipped = []
+    for bad in (True, False):
+        opt.zero_grad()
+        loss = model(torch.ones(2, 4, dtype=torch.half)).float().sum() * (float("inf") if bad else 1.0)
+        accelerator.scaler.scale(loss).backward()
+        opt.step()
+        skipped.append(accelerator.optimizer_step_was_skipped)
+    assert skipped == [True, False], skipped

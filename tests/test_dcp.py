@@ -47,3 +47,9 @@ def test_dcp_of_the_optimizers_own_state_dict(tmp_path):
     resumed = dist_harness.values(dist_harness.run(W.resume, 2, path, torch.bfloat16, "state_dict", timeout=180))
     for rank, r in enumerate(resumed):
         assert all(torch.equal(a, b) for a, b in zip(r["params"], saved[0]["params"])), rank
+
+
+def test_dcp_without_the_protocol_is_a_clear_error(tmp_path):
+    errors = dist_harness.values(dist_harness.run(W.save_without_protocol, 2, str(tmp_path / "ck"), timeout=120))
+    for rank, err in enumerate(errors):
+        assert err is not None and "no torch.distributed.checkpoint.protocol" in err, (rank, err)

@@ -76,3 +76,13 @@ def test_trainer_resume_on_one_rank(runs):
     for s in range(11, 21):
         assert abs(resumed["losses"][s] - runs["zero"]["losses"][s]) < 1e-4, s
     assert _max_diff(resumed["params"], runs["zero"]["params"]) < 1e-4
+
+
+def test_zero_trainer_takes_hyperparameters_from_training_arguments(tmp_path):
+    from transformers import TrainingArguments
+
+    from zerokern.integrations.hf import ZeroTrainer
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    with pytest.raises(ValueError, match=r"set TrainingArguments\(max_grad_norm=...\) instead"):
+        ZeroTrainer(model=torch.nn.Linear(2, 2), args=args, zero_kwargs={"max_grad_norm": 1.0})

@@ -17,8 +17,9 @@ def test_stage0_second_reduction_keeps_other_ranks_average():
         assert r["diff"] < 2e-5, r
 
 
-def test_fp16_sum_overflow_in_step_skips_instead_of_nan():
-    for r in dist_harness.values(dist_harness.run(W.fp16_sum_overflow_in_step, 2, timeout=120)):
+@pytest.mark.parametrize("clip", [False, True])
+def test_fp16_sum_overflow_in_step_skips_instead_of_nan(clip):
+    for r in dist_harness.values(dist_harness.run(W.fp16_sum_overflow_in_step, 2, clip, timeout=120)):
         assert r["finite"] and r["unchanged"], r
 
 
@@ -81,3 +82,20 @@ def test_randomized_unused_params_dtype_mix_bucket_sizes(seed):
         # in bf16 here and in fp32 there; a differently rounded grad can move a param by an ulp
         # (2^-8 relative) now and then over 20 steps.
         assert r["worst"]["torch.bfloat16"] < 3e-2, r
+
+
+def test_clip_grad_norm_with_inf_only_measures():
+    """opt.clip_grad_norm_(inf) (HF Trainer calls it every step for its log when its own
+    max_grad_norm is 0) returns the norm and leaves FusedZeroAdam(max_grad_norm=...) in force."""
+    finals = []
+    for measure, max_grad_norm in ((True, 0.05), (False, 0.05), (False, None)):
+        model = R.gpt()
+        opt = FusedZeroAdam(model.parameters(), lr=1e-2, max_grad_norm=max_grad_norm)
+        R.gpt_loss(model, R.tokens(1)[0]).backward()
+        if measure:
+            norm = opt.clip_grad_norm_(float("inf"))
+            assert norm.item() > 0.05
+        opt.step()
+        finals.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(finals[0], finals[1])), "clipping still applied"
+    assert not all(torch.equal(a, b) for a, b in zip(finals[1], finals[2])), "and it clips here"

@@ -34,6 +34,8 @@ def main():
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.GELU(), torch.nn.Linear(32, 5))
+    # a buffer that differs per rank: after prepare every rank must hold rank 0's, as under DDP
+    model.register_buffer("probe", torch.full((1,), float(accelerator.process_index)))
     g = torch.Generator().manual_seed(1)
     x = torch.randn(STEPS * ACCUM * GLOBAL_BATCH, 12, generator=g)
     y = x @ torch.randn(12, 5, generator=g)  # learnable: the loss must fall
@@ -46,6 +48,7 @@ def main():
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
     model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
 
+    probes = accelerator.gather(accelerator.unwrap_model(model).probe).tolist()
     reductions = [0]
     inner = getattr(opt, "optimizer", opt)
     if args.optimizer == "zero":
@@ -100,7 +103,7 @@ def main():
             from safetensors.torch import load_file
             saved = load_file(os.path.join(args.out + ".model", "model.safetensors"))
     if accelerator.is_main_process:
-        torch.save({"saved_model": saved, "losses": losses, "world": world, "reductions": reductions[0],
+        torch.save({"saved_model": saved, "probes": probes, "losses": losses, "world": world, "reductions": reductions[0],
                     "buckets": len(inner.schedule.buckets) if args.optimizer == "zero" else None,
                     "wrapped": type(model).__name__,
                     "params": {n: p.detach().clone() for n, p in accelerator.unwrap_model(model).named_parameters()}},

@@ -19,18 +19,21 @@ zerokern's reduce-scatter (and write into the grad buckets), a model without
 no_sync would reduce every micro-batch, and at stages 1/2 .grad is each rank's
 local gradient, which torch's clip would scale by each rank's own norm.
 attach() wraps public methods of this one Accelerator instance (nothing
-global, no Accelerate internals): for a model whose trainable params a
+global; the one Accelerate internal it writes is AcceleratedOptimizer._is_overflow,
+what optimizer_step_was_skipped reads): for a model whose trainable params a
 FusedZeroAdam owns, prepare_model skips the DDP wrap (Accelerate's own
 evaluation_mode path, the one transformers takes for models that reduce their
-own grads; device placement, autocast and compile still apply), no_sync enters
-opt.no_sync(), and clip_grad_norm_ is opt.clip_grad_norm_ (the global norm over
-all shards, applied in the fused update; returned unscaled, as Accelerate's).
+own grads; device placement, autocast and compile still apply; rank 0's buffers
+are broadcast, as DDP does), no_sync enters opt.no_sync(), clip_grad_norm_ is
+opt.clip_grad_norm_ (the global norm over all shards, applied in the fused
+update; returned unscaled, as Accelerate's), prepare_optimizer skips the state
+dict round trip of device placement and reports a step the GradScaler skipped.
 Checkpoints: get_state_dict returns copies of such a model's weights (they are
 views of flat buckets, and Accelerate's safetensors save keeps one tensor per
 shared storage, dropping the rest); save_state writes the weights in torch's
 format (safetensors' load_model refuses to load into views of a larger buffer);
-and save_state/load_state keep each
-FusedZeroAdam in a torch.distributed.checkpoint directory of its own,
+and save_state/load_state keep each FusedZeroAdam in a
+torch.distributed.checkpoint directory of its own,
 "optimizer_zerokern_<i>", written by every rank and re-sharded on load (Accelerate
 writes optimizer.bin from rank 0 only, which would hold rank 0's shard: it gets a
 note saying where the state is instead).
@@ -64,12 +67,15 @@ def attach(accelerator):
     prepare_model, prepare_optimizer = accelerator.prepare_model, accelerator.prepare_optimizer
     no_sync, clip_grad_norm_ = accelerator.no_sync, accelerator.clip_grad_norm_
     get_state_dict, save_state, load_state = accelerator.get_state_dict, accelerator.save_state, accelerator.load_state
+    free_memory = accelerator.free_memory
     wrapped_in_ddp = []  # models this Accelerator wrapped in DDP: a FusedZeroAdam must not own them
     zero_opts = []  # the FusedZeroAdams it prepared, in order (their checkpoint directories are numbered so)
 
     def zero_prepare_model(model, device_placement=None, evaluation_mode=False):
-        if owner_of(_trainable(model.parameters())) is not None:
+        opt = owner_of(_trainable(model.parameters()))
+        if opt is not None:
             evaluation_mode = True  # no DDP: the optimizer reduces the grads itself
+            _broadcast_buffers(model, opt)  # what DDP would have done at construction
         out = prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
         if isinstance(out, torch.nn.parallel.DistributedDataParallel):
             wrapped_in_ddp.append(out)
@@ -86,6 +92,11 @@ def attach(accelerator):
                         "that trains it, so both would reduce the grads. Build the optimizer first and prepare "
                         "them together: accelerator.prepare(model, optimizer, ...)")
             zero_opts.append(inner)
+            # No device placement: Accelerate would round-trip the state dict through
+            # .to(accelerator.device), copying offloaded CPU state to the GPU and back for nothing.
+            wrapped = prepare_optimizer(optimizer, device_placement=False)
+            _report_skipped_steps(wrapped, inner)
+            return wrapped
         return prepare_optimizer(optimizer, device_placement=device_placement)
 
     @contextlib.contextmanager
@@ -114,9 +125,10 @@ def attach(accelerator):
     def zero_get_state_dict(model, unwrap=True):
         sd = get_state_dict(model, unwrap=unwrap)
         inner = accelerator.unwrap_model(model)
-        if owner_of(_trainable(inner.parameters())) is None:
-            return sd
-        return collections.OrderedDict((k, v.clone() if isinstance(v, torch.Tensor) else v) for k, v in sd.items())
+        if owner_of(_trainable(inner.parameters())) is None or not accelerator.is_main_process:
+            return sd  # only the main process writes it
+        return collections.OrderedDict((k, v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v)
+                                       for k, v in sd.items())
 
     def zero_save_state(output_dir=None, safe_serialization=True, **kwargs):
         if zero_opts:
@@ -132,6 +144,8 @@ def attach(accelerator):
     def zero_load_state(input_dir=None, load_kwargs=None, **kwargs):
         if input_dir is None and zero_opts:
             input_dir = _latest_checkpoint(accelerator)
+        elif input_dir is not None:
+            input_dir = os.path.expanduser(input_dir)
         with _loads_skipped(zero_opts):
             out = load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
         for i, opt in enumerate(zero_opts):
@@ -140,6 +154,11 @@ def attach(accelerator):
             opt.load_state_dict(sd["optim"])
         return out
 
+    def zero_free_memory(*args, **kwargs):
+        zero_opts.clear()  # Accelerate forgets its optimizers and models here: so do we
+        wrapped_in_ddp.clear()
+        return free_memory(*args, **kwargs)
+
     accelerator.prepare_model = zero_prepare_model
     accelerator.prepare_optimizer = zero_prepare_optimizer
     accelerator.no_sync = zero_no_sync
@@ -147,6 +166,7 @@ def attach(accelerator):
     accelerator.get_state_dict = zero_get_state_dict
     accelerator.save_state = zero_save_state
     accelerator.load_state = zero_load_state
+    accelerator.free_memory = zero_free_memory
     accelerator._zerokern_attached = True
     return accelerator
 
@@ -183,3 +203,31 @@ def _latest_checkpoint(accelerator):
     base = os.path.join(accelerator.project_dir, "checkpoints")
     folders = [os.path.join(base, f) for f in os.listdir(base)]
     return max(folders, key=lambda f: int(re.findall(r"[\/]?([0-9]+)(?=[^\/]*$)", f)[0]))
+
+
+def _broadcast_buffers(model, opt):
+    """Rank 0's buffers on every rank, as DDP does when it wraps a model (the optimizer already
+    broadcast the params)."""
+    if not opt.comm.distributed:
+        return
+    with torch.no_grad():
+        for b in model.buffers():
+            if b.is_floating_point() or b.dtype in (torch.int64, torch.int32, torch.bool, torch.uint8):
+                opt.comm.wait(opt.comm.broadcast(b, name="broadcast_buffers"))
+
+
+def _report_skipped_steps(wrapped, opt):
+    """Accelerate tells a skipped step (GradScaler overflow) by whether GradScaler called the
+    optimizer's step; FusedZeroAdam's step is always called (it skips inside, as torch's fused
+    AdamW), so Trainer would step the lr scheduler on skipped steps. Tell it from the optimizer."""
+    if getattr(wrapped, "scaler", None) is None or not hasattr(wrapped, "_is_overflow"):
+        return
+    step = wrapped.step
+
+    def zero_step(*args, **kwargs):
+        out = step(*args, **kwargs)
+        if wrapped.gradient_state.sync_gradients:
+            wrapped._is_overflow = opt.last_step_skipped
+        return out
+
+    wrapped.step = zero_step

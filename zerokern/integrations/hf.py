@@ -39,8 +39,17 @@ SCHEDULER_NAME = "scheduler.pt"  # as transformers.trainer.SCHEDULER_NAME
 
 
 class ZeroTrainer(Trainer):
+    # set through TrainingArguments, where Trainer reads them too (its max_grad_norm clip would
+    # silently win over one given here)
+    _FROM_ARGS = {"lr": "learning_rate", "betas": "adam_beta1/adam_beta2", "eps": "adam_epsilon",
+                  "weight_decay": "weight_decay", "max_grad_norm": "max_grad_norm"}
+
     def __init__(self, *args, zero_kwargs=None, **kwargs):
         self.zero_kwargs = dict(zero_kwargs or {})
+        for key in self.zero_kwargs.keys() & self._FROM_ARGS.keys():
+            raise ValueError(f"ZeroTrainer(zero_kwargs={{'{key}': ...}}): set TrainingArguments("
+                             f"{self._FROM_ARGS[key]}=...) instead; zero_kwargs are FusedZeroAdam's own options "
+                             "(zero_stage, bucket_cap_mb, overlap_comm, offload, ...)")
         super().__init__(*args, **kwargs)
 
     def create_accelerator_and_postprocess(self):

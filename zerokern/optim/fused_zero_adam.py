@@ -167,6 +167,8 @@ class FusedZeroAdam(torch.optim.Optimizer):
         self._calls = [UniformCalls(store, pieces, self._group_of) for store, pieces in zip(self.stores, self._pieces)]
         self.last_grad_norm = None
         self._clip = None  # (max_norm, norm) from opt.clip_grad_norm_ for the next step
+        self._overflow_seen = False  # clip_grad_norm_'s reduction found an overflow (fp16) this round
+        self.last_step_skipped = False  # the last step() skipped the update (an inf/nan on some rank)
         self._warned_no_grads = False
 
     def _init_state(self, store, tindex):
@@ -273,11 +275,16 @@ class FusedZeroAdam(torch.optim.Optimizer):
         """Called by zerokern.GradScaler after its inf check of the local grads: every rank
         gets the same found_inf (all-reduce MAX), also when the reduction happens in step()
         (every backward under no_sync()), which the check after backward cannot cover."""
-        if self.comm.distributed:
-            works = [self.comm.all_reduce(t, op=torch.distributed.ReduceOp.MAX, name="found_inf")
-                     for t in found_inf_per_device.values()]
-            for w in works:
-                self.comm.wait(w)
+        if not self.comm.distributed:
+            return
+        # exactly one all-reduce on every rank, whatever devices (or none) this rank's grads were on
+        device = self.stores[0].bucket.device if self.stores else torch.device("cpu")
+        flag = torch.zeros((), dtype=torch.float32, device=device)
+        for t in found_inf_per_device.values():
+            flag = torch.maximum(flag, t.to(device, torch.float32).reshape(()))
+        self.comm.wait(self.comm.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, name="found_inf"))
+        for t in found_inf_per_device.values():
+            t.copy_(flag.to(t.device, t.dtype).reshape(t.shape))
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -308,6 +315,7 @@ class FusedZeroAdam(torch.optim.Optimizer):
             raise RuntimeError("scaler.unscale_(optimizer) is not supported with FusedZeroAdam (the grads it "
                                "would unscale are already reduced); clip with FusedZeroAdam(max_grad_norm=...)")
         had, skip = self._prepare(found_inf, grad_scale)
+        skip = skip or self._overflow_seen  # an fp16 sum that overflowed when clip_grad_norm_ reduced it
         if had and not any(had) and not self._warned_no_grads:
             self._warned_no_grads = True
             warnings.warn("FusedZeroAdam.step(): no parameter had a gradient on any rank, so nothing was updated. "
@@ -318,7 +326,9 @@ class FusedZeroAdam(torch.optim.Optimizer):
             scale = self._grad_scale_with_clipping(grad_scale, had)
             self._update(had, scale)
             self._gather_params()
+        self.last_step_skipped = bool(skip and any(had))
         self._clip = None
+        self._overflow_seen = False
         self.schedule.end_round(release=self.zero_stage == 2)
         if self.zero_stage == 2:
             for u in self.units:
@@ -362,9 +372,11 @@ class FusedZeroAdam(torch.optim.Optimizer):
         is known only in scaler.step()); the clip itself uses the unscaled norm."""
         max_norm = float(max_norm)
         self._clip = None
-        had, _ = self._prepare(None)
+        had, overflow = self._prepare(None)
+        self._overflow_seen = self._overflow_seen or overflow  # step() must skip too: it reduces nothing more
         norm = self._global_norm(float(norm_type), had)
-        self._clip = (max_norm, norm)
+        if max_norm != float("inf"):  # inf: the norm only (as HF Trainer asks for logging); max_grad_norm stays
+            self._clip = (max_norm, norm)
         self.last_grad_norm = norm
         return norm
 
@@ -541,6 +553,8 @@ class FusedZeroAdam(torch.optim.Optimizer):
         next backward reaches it. A .grad that no longer views its bucket
         (model.to() or to_empty() gave it new storage) is bound to it again."""
         self.schedule.zero()
+        self._clip = None  # a new round: a clip or an overflow of the dropped one does not carry over
+        self._overflow_seen = False
         for u in self.units:
             u.rebind_zeroed_grads()
 

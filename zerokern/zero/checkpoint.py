@@ -25,10 +25,31 @@ params: per param, a state tensor as large as the param is sliced to this
 rank's part; a marked slice must be this rank's slice.
 """
 
+import importlib.util
+
 import torch
 
 FORMAT = 3
 SLICED = ("exp_avg", "exp_avg_sq", "master_param")
+# torch.distributed.checkpoint reads the marks below from torch 2.14 on; before that it would
+# take each rank's slice for a whole tensor and keep one rank's.
+HAS_PROTOCOL = importlib.util.find_spec("torch.distributed.checkpoint.protocol") is not None
+
+
+class _NeedsProtocol:
+    """What an older DCP calls to plan the save of a marked slice: a clear error instead of
+    keeping one rank's slice of every param."""
+
+    def __call__(self, fqn, obj):
+        raise RuntimeError(
+            f"zerokern: '{fqn}' is one rank's slice of sharded FusedZeroAdam state, and this torch "
+            f"({torch.__version__}) has no torch.distributed.checkpoint.protocol to save it as one (torch 2.14 "
+            "has); DCP would keep one rank's slices. Save opt.full_state_dict() (a collective; the whole state "
+            "on rank 0, loadable at any world size), or torch.save(opt.state_dict()) on every rank")
+
+
+# a marked slice saved with torch.save still loads with weights_only=True
+torch.serialization.add_safe_globals([_NeedsProtocol])
 
 
 def mark_slice(t, start, n, numel):
@@ -37,6 +58,8 @@ def mark_slice(t, start, n, numel):
     t.global_offsets = ((start,),) if n else ()
     t.local_offsets = ((0,),) if n else ()
     t.local_sizes = ((n,),) if n else ()
+    if not HAS_PROTOCOL:
+        t.__create_write_items__ = _NeedsProtocol()
 
 
 def _slice_of(t):

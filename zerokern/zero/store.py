@@ -68,7 +68,7 @@ class ShardStore:
         is unwritten since fill_unread_master(), and `given` holds the same values (views of
         it, or copies: a dcp.load into the views would have written them)?"""
         return (self._filled_version is not None and self._filled_version == self.master._version
-                and all(torch.equal(v, g) for v, g in zip(views, given)))
+                and all(torch.equal(v, g.to(v.device)) for v, g in zip(views, given)))
 
     def refresh_params(self, indices) -> None:
         """A separate master re-reads the slices of these params (adopted with new values)."""

@@ -65,11 +65,12 @@ def test_transformer_formula_matches_a_real_module():
 
 def test_fp32_offload_and_bubble():
     p = plan(1e9, dp=4, dtype="fp32", offload_optimizer="cpu", micro_batches=4, pp=2)
-    s0 = p.stages[0]
-    # fp32: params 4, grads 4, no master copy, Adam 8; offloaded: the 8 bytes live in CPU memory
-    assert s0.master_bytes == 0 and s0.adam_bytes == 0
-    assert s0.total_bytes == 8 * 5e8 and s0.cpu_bytes == 8 * 5e8
-    assert p.stages[1].cpu_bytes == 8 * 5e8 / 4
+    s0, s1 = p.stages[0], p.stages[1]
+    # fp32: params 4, grads 4, no master copy, Adam 8. Offload moves the sharded optimizer state
+    # (stage 1 and up; DeepSpeed has no offload at stage 0): there the 8/dp bytes live in CPU memory
+    assert s0.master_bytes == 0 and s0.adam_bytes == 8 * 5e8 and s0.cpu_bytes == 0
+    assert s0.total_bytes == 16 * 5e8
+    assert s1.adam_bytes == 0 and s1.cpu_bytes == 8 * 5e8 / 4 and s1.total_bytes == 8 * 5e8
     assert p.pipeline_bubble == pytest.approx(1 / 5)
 
 
@@ -78,7 +79,7 @@ def test_cli_json_and_exit_codes(capsys):
     out = json.loads(capsys.readouterr().out)
     assert [round(s["total_bytes"] / GB, 1) for s in out["stages"]] == [120.0, 31.4, 16.6, 1.9]
     assert out["smallest_fitting_stage"] == 1
-    for bad, message in ((["--params", "-1"], "params must be > 0"),
+    for bad, message in ((["--params", "-1"], "cannot read '-1' as a parameter count"),
                          (["--layers", "80", "--hidden", "8192", "--heads", "64", "--vocab", "32000", "--pp", "3"],
                           "layers 80 is not divisible by pp 3"),
                          (["--layers", "2", "--hidden", "64", "--heads", "6", "--vocab", "10"],
@@ -119,3 +120,45 @@ def test_planner_agrees_with_a_measured_run(world):
         assert stage.master_bytes <= rep["master_params"] <= stage.master_bytes + 4 * padding / world
         assert stage.adam_bytes <= rep["adam_state"] <= stage.adam_bytes + 8 * padding / world
         assert padding < 0.2 * r["numel"], "the padding is small next to the model"
+
+
+def test_llama_formula_matches_a_real_module_and_llama_7b():
+    """Llama-7B is 6,738,415,616 params; a small LlamaForCausalLM with grouped-query attention
+    counts exactly what the formula says."""
+    from zerokern.plan import llama_params
+
+    assert llama_params(32, 4096, 32000, 11008, 32, 32) == 6_738_415_616
+    assert plan(arch="llama", layers=32, hidden=4096, heads=32, vocab=32000, ffn_hidden=11008).params_total \
+        == 6_738_415_616
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=3, num_attention_heads=8,
+                                   num_key_value_heads=2, vocab_size=101, tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(cfg)
+    assert sum(p.numel() for p in model.parameters()) == llama_params(3, 64, 101, 172, 8, 2)
+
+
+def test_bandwidth_in_bits_and_bytes():
+    from zerokern.plan.cli import parse_bytes
+
+    assert parse_bytes("100GB/s", per_second=True) == 100e9
+    for bits in ("100Gb/s", "100Gbps", "100Gbit/s"):
+        assert parse_bytes(bits, per_second=True) == 100e9 / 8, bits
+    assert parse_bytes("80GB") == 80e9
+
+
+@pytest.mark.parametrize("bad", ["inf", "nan", "7.5", "-3", "1e400", "seven"])
+def test_bad_param_counts_are_one_line_errors(bad, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--params", bad])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--params" in err and "Traceback" not in err, err
+
+
+def test_param_count_suffixes_offload_from_stage_1_and_json_stage(capsys):
+    assert main(["--params", "7.5B", "--dp", "64", "--offload-optimizer", "cpu", "--stage", "2", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["params_total"] == 7_500_000_000 and d["marked_stage"] == 2
+    s0, s1 = d["stages"][0], d["stages"][1]
+    assert s0["cpu_bytes"] == 0 and s0["adam_bytes"] > 0, "stage 0 keeps its optimizer on the GPU"
+    assert s1["cpu_bytes"] > 0 and s1["adam_bytes"] == 0

@@ -2,16 +2,18 @@
 
     python -m zerokern.plan --params 7.5e9 --dp 64
     python -m zerokern.plan --layers 80 --hidden 8192 --heads 64 --vocab 32000 --tp 8 --pp 8 --dp 4
+    python -m zerokern.plan --arch llama --layers 32 --hidden 4096 --heads 32 --vocab 32000 --ffn-hidden 11008
 
     from zerokern.plan import plan, from_model
     p = plan(7.5e9, dp=64)            # a Plan: one StagePlan per ZeRO stage 0-3
     p = from_model(model, dp=8)       # counts a real module's trainable parameters
 """
 
-from .model import DTYPE_BYTES, Plan, StagePlan, plan, transformer_params, transformer_params_per_gpu
+from .model import (DTYPE_BYTES, Plan, StagePlan, llama_params, llama_params_per_gpu, plan, transformer_params,
+                    transformer_params_per_gpu)
 
 __all__ = ["plan", "from_model", "Plan", "StagePlan", "transformer_params", "transformer_params_per_gpu",
-           "DTYPE_BYTES"]
+           "llama_params", "llama_params_per_gpu", "DTYPE_BYTES"]
 
 
 def from_model(model, **kwargs) -> Plan:

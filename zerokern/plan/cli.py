@@ -3,6 +3,7 @@ with code 2 and a one-line reason (argparse's convention), never a traceback."""
 
 import argparse
 import json
+import math
 import re
 import sys
 
@@ -13,17 +14,39 @@ _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**
 
 
 def parse_bytes(text, per_second=False):
-    """'80GB', '141GiB', '8e10' (bytes), '100GB/s' -> a number of bytes (per second)."""
-    t = text.strip().lower().replace(" ", "")
+    """'80GB', '141GiB', '8e10' (bytes); with per_second also '100GB/s' (bytes) and '100Gb/s',
+    '100Gbps', '100Gbit/s' (bits, as NICs are rated: a lowercase b is a bit)."""
+    t = text.strip().replace(" ", "")
     if per_second:
-        t = t.removesuffix("/s").removesuffix("ps")
-    m = re.fullmatch(r"([0-9.]+(?:e[+-]?[0-9]+)?)([a-z]*)", t)
-    if not m or m.group(2) not in _UNITS:
-        raise argparse.ArgumentTypeError(f"cannot read {text!r} as a size (e.g. 80GB, 141GiB, 100GB/s)")
-    value = float(m.group(1)) * _UNITS[m.group(2)]
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+        for suffix in ("/s", "ps"):
+            if t.lower().endswith(suffix):
+                t = t[:-len(suffix)]
+                break
+    m = re.fullmatch(r"([0-9.]+(?:[eE][+-]?[0-9]+)?)([A-Za-z]*)", t)
+    unit = m.group(2) if m else ""
+    bits = per_second and (unit.endswith("b") or unit.lower().endswith("bit"))
+    key = (unit[:-3] + "b" if unit.lower().endswith("bit") else unit).lower()
+    if not m or key not in _UNITS:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r} as a size (e.g. 80GB, 141GiB, 100GB/s, 400Gb/s)")
+    value = float(m.group(1)) * _UNITS[key] / (8 if bits else 1)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive and finite")
     return value
+
+
+_COUNT_SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
+
+
+def param_count(text):
+    """'7.5e9', '7.5B', '125M', '1.3T' -> a whole, finite, positive number of parameters."""
+    m = re.fullmatch(r"\s*([0-9.]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBtT]?)\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r} as a parameter count (e.g. 7.5e9, 7.5B, 125M)")
+    value = float(m.group(1)) * _COUNT_SUFFIX[m.group(2).lower()]
+    if not 0 < value < float("inf") or value != int(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of parameters (7.5e9 or 7.5B for 7.5 "
+                                         "billion)")
+    return int(value)
 
 
 def count(text):
@@ -31,7 +54,7 @@ def count(text):
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"cannot read {text!r} as a number") from None
-    if value != int(value):
+    if not math.isfinite(value) or value != int(value):
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
     return int(value)
 
@@ -41,12 +64,17 @@ def parser():
                                  description="Per-GPU memory and communication of mixed-precision Adam training "
                                              "for ZeRO stages 0-3 (model states only; activations not modelled).")
     model = ap.add_argument_group("model (either --params or the shape)")
-    model.add_argument("--params", type=float, help="number of parameters, e.g. 7.5e9")
+    model.add_argument("--params", type=param_count, help="number of parameters, e.g. 7.5e9 or 7.5B")
+    model.add_argument("--arch", choices=["gpt", "llama"], default="gpt",
+                       help="gpt: biases, LayerNorm, a 4h MLP by default, tied embeddings; llama: no biases, "
+                            "RMSNorm, a gated MLP (needs --ffn-hidden), grouped-query attention (--kv-heads), "
+                            "untied embeddings. The formulas are in zerokern/plan/model.py")
     model.add_argument("--layers", type=count)
     model.add_argument("--hidden", type=count)
     model.add_argument("--heads", type=count)
+    model.add_argument("--kv-heads", type=count, help="key/value heads (llama; default: --heads)")
     model.add_argument("--vocab", type=count)
-    model.add_argument("--ffn-hidden", type=count, help="MLP width (default 4 * hidden)")
+    model.add_argument("--ffn-hidden", type=count, help="MLP width (gpt default 4 * hidden; llama: required)")
     par = ap.add_argument_group("parallelism")
     par.add_argument("--dp", type=count, default=1, help="data-parallel size")
     par.add_argument("--tp", type=count, default=1, help="tensor-parallel size")
@@ -56,10 +84,11 @@ def parser():
     hw = ap.add_argument_group("training and hardware")
     hw.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_BYTES))
     hw.add_argument("--offload-optimizer", choices=["none", "cpu"], default="none",
-                    help="keep fp32 master weights and Adam state in CPU memory")
+                    help="keep fp32 master weights and Adam state in CPU memory (ZeRO stage 1 and up)")
     hw.add_argument("--gpu-memory", type=parse_bytes, default=80e9, help="per GPU, e.g. 80GB (default), 141GB")
     hw.add_argument("--dp-bandwidth", type=lambda t: parse_bytes(t, per_second=True), default=100e9,
-                    help="per-GPU data-parallel link bandwidth, e.g. 100GB/s (default), 50GB/s")
+                    help="per-GPU data-parallel link bandwidth in bytes (100GB/s, the default) or bits "
+                         "(400Gb/s, 400Gbps: a lowercase b is a bit)")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     return ap
 
@@ -101,6 +130,9 @@ def render(p, marked=None):
                  f"{p.dp_bandwidth_bytes_per_s / 1e9:g} GB/s (ring; 2x params for stages 0-2, 3x for stage 3)")
     if p.pp > 1:
         lines.append(f"pipeline bubble: (pp-1)/(m+pp-1) = {p.pipeline_bubble:.1%} with m={p.micro_batches} micro-batches")
+    if p.offload_optimizer:
+        lines.append("offload applies from stage 1 on (ZeRO-Offload moves the sharded optimizer state); "
+                     "stage 0 keeps it on the GPU")
     if best is None:
         lines.append("no stage fits: raise dp, tp or pp, or offload the optimizer (--offload-optimizer cpu)")
     return "\n".join(lines)
@@ -111,13 +143,13 @@ def main(argv=None):
     args = ap.parse_args(argv)
     try:
         p = plan(args.params, layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab,
-                 ffn_hidden=args.ffn_hidden, dp=args.dp, tp=args.tp, pp=args.pp, dtype=args.dtype,
+                 ffn_hidden=args.ffn_hidden, arch=args.arch, kv_heads=args.kv_heads, dp=args.dp, tp=args.tp, pp=args.pp, dtype=args.dtype,
                  offload_optimizer=args.offload_optimizer, gpu_memory=args.gpu_memory,
                  micro_batches=args.micro_batches, dp_bandwidth=args.dp_bandwidth)
     except ValueError as e:
         ap.error(str(e))  # exit code 2
     if args.json:
-        print(json.dumps(p.to_dict(), indent=1))
+        print(json.dumps(dict(p.to_dict(), marked_stage=args.stage), indent=1))
     else:
         print(render(p, args.stage))
     return 0

@@ -23,6 +23,15 @@ stage holds layers/pp layers; the first stage also holds the embedding and the
 last stage its tied copy as the output layer plus the final LayerNorm (as
 Megatron does), so the last stage is the most loaded one and is what is planned.
 
+A Llama-style transformer (arch="llama": no biases, RMSNorm, a gated MLP of three
+h*f matrices, grouped-query attention with kv_heads key/value heads of h/heads
+each, untied input and output embeddings), per layer
+    q and out proj 2h^2, k and v 2h*kv*d (d = h/heads), MLP 3hf, 2 RMSNorms 2h
+total = layers * that + 2*vocab*h + h (final RMSNorm); Llama-7B (h=4096,
+f=11008, 32 layers, 32 heads, vocab 32000) is 6,738,415,616. With tp the
+matrices split and the norms replicate; with pp the last stage holds the output
+layer and the final norm, the first the input embedding (with pp = 1, both).
+
 Communication per GPU per step, data-parallel, ring algorithms: plain DP
 all-reduces the grads (reduce-scatter + all-gather: 2 x params x (dp-1)/dp
 elements); ZeRO-1 and ZeRO-2 reduce-scatter the grads and all-gather the
@@ -32,6 +41,7 @@ Elements travel in the training dtype. Pipeline bubble: (pp - 1) / (m + pp - 1)
 for m micro-batches.
 """
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import List, Optional
 
@@ -95,16 +105,34 @@ def transformer_params_per_gpu(layers, hidden, vocab, ffn_hidden=None, tp=1, pp=
     return layers // pp * per_layer + embedding + 2 * h
 
 
+def llama_params(layers, hidden, vocab, ffn_hidden, heads, kv_heads):
+    """Total params of the Llama-style transformer described in this module's docstring."""
+    h, f, kv = hidden, ffn_hidden, kv_heads * (hidden // heads)
+    return layers * (2 * h * h + 2 * h * kv + 3 * h * f + 2 * h) + 2 * vocab * h + h
+
+
+def llama_params_per_gpu(layers, hidden, vocab, ffn_hidden, heads, kv_heads, tp=1, pp=1):
+    """Params on the most loaded GPU (the last pipeline stage; with pp = 1, the only one)."""
+    h, f, kv = hidden, ffn_hidden, kv_heads * (hidden // heads)
+    per_layer = (2 * h * h + 2 * h * kv + 3 * h * f) // tp + 2 * h
+    embeddings = (2 if pp == 1 else 1) * -(-vocab // tp) * h
+    return layers // pp * per_layer + embeddings + h
+
+
 def _positive(name, value, allow_zero=False):
     if value is None or value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
 
-def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_hidden=None, dp=1, tp=1, pp=1,
-         dtype="bf16", offload_optimizer=None, gpu_memory=80e9, micro_batches=1, dp_bandwidth=100e9) -> Plan:
+def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_hidden=None, arch="gpt",
+         kv_heads=None, dp=1, tp=1, pp=1, dtype="bf16", offload_optimizer=None, gpu_memory=80e9, micro_batches=1,
+         dp_bandwidth=100e9) -> Plan:
     """The memory and communication plan for every ZeRO stage. Give either
     `params` (a count; tp and pp then split it evenly) or the shape (layers,
-    hidden, heads, vocab[, ffn_hidden])."""
+    hidden, heads, vocab[, ffn_hidden]) of a GPT-style (arch="gpt") or Llama-style
+    (arch="llama", with ffn_hidden and optionally kv_heads) transformer."""
+    if arch not in ("gpt", "llama"):
+        raise ValueError(f"arch must be 'gpt' or 'llama', got {arch!r}")
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPE_BYTES)}")
     if offload_optimizer not in (None, "none", "cpu"):
@@ -118,6 +146,8 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
         raise ValueError("give either params or the shape (layers, hidden, heads, vocab), not both")
     if params is not None:
         _positive("params", params)
+        if not math.isfinite(params) or params != int(params):
+            raise ValueError(f"params must be a whole number of parameters, got {params!r} (7.5e9 for 7.5 billion)")
         total = int(params)
         per_gpu = -(-total // (tp * pp))
         formula = f"params given: {total:.4g}, split evenly over tp*pp = {tp * pp}"
@@ -136,11 +166,25 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
             raise ValueError(f"ffn_hidden {ffn_hidden or 4 * hidden} is not divisible by tp {tp}")
         if layers % pp:
             raise ValueError(f"layers {layers} is not divisible by pp {pp} (each pipeline stage needs whole layers)")
-        total = transformer_params(layers, hidden, vocab, ffn_hidden)
-        per_gpu = transformer_params_per_gpu(layers, hidden, vocab, ffn_hidden, tp, pp)
-        f = ffn_hidden or 4 * hidden
-        formula = (f"layers*(4h^2 + 2hf + 9h + f) + vocab*h + 2h with h={hidden}, f={f}: {total:,}; "
-                   f"per GPU (tp={tp}, pp={pp}, last stage): {per_gpu:,}")
+        if arch == "gpt":
+            if kv_heads is not None:
+                raise ValueError("kv_heads (grouped-query attention) is for arch='llama'")
+            total = transformer_params(layers, hidden, vocab, ffn_hidden)
+            per_gpu = transformer_params_per_gpu(layers, hidden, vocab, ffn_hidden, tp, pp)
+            f = ffn_hidden or 4 * hidden
+            formula = (f"GPT: layers*(4h^2 + 2hf + 9h + f) + vocab*h + 2h with h={hidden}, f={f}: {total:,}; "
+                       f"per GPU (tp={tp}, pp={pp}, last stage): {per_gpu:,}")
+        else:
+            if ffn_hidden is None:
+                raise ValueError("arch='llama' needs ffn_hidden (the gated MLP's width, e.g. 11008 for Llama-7B)")
+            kv = heads if kv_heads is None else kv_heads
+            _positive("kv_heads", kv)
+            if heads % kv or kv % tp:
+                raise ValueError(f"kv_heads {kv} must divide heads {heads} and be divisible by tp {tp}")
+            total = llama_params(layers, hidden, vocab, ffn_hidden, heads, kv)
+            per_gpu = llama_params_per_gpu(layers, hidden, vocab, ffn_hidden, heads, kv, tp, pp)
+            formula = (f"Llama: layers*(2h^2 + 2h*kv*d + 3hf + 2h) + 2*vocab*h + h with h={hidden}, f={ffn_hidden}, "
+                       f"kv*d={kv * (hidden // heads)}: {total:,}; per GPU (tp={tp}, pp={pp}, last stage): {per_gpu:,}")
 
     b = DTYPE_BYTES[dtype]
     p_bytes, g_bytes = b * per_gpu, b * per_gpu
@@ -150,12 +194,13 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
     for stage in range(4):
         shard = lambda x, s: x / dp if stage >= s else x  # noqa: E731
         optimizer = shard(master, 1) + shard(adam, 1)
-        gpu = shard(p_bytes, 3) + shard(g_bytes, 2) + (0 if offload else optimizer)
+        off = offload and stage >= 1  # ZeRO-Offload moves the sharded optimizer state: stage 1 and up
+        gpu = shard(p_bytes, 3) + shard(g_bytes, 2) + (0 if off else optimizer)
         comm = (3 if stage == 3 else 2) * per_gpu * b * (dp - 1) / dp
         stages.append(StagePlan(
             stage=stage, params_bytes=shard(p_bytes, 3), grads_bytes=shard(g_bytes, 2),
-            master_bytes=0 if offload else shard(master, 1), adam_bytes=0 if offload else shard(adam, 1),
-            total_bytes=gpu, cpu_bytes=optimizer if offload else 0, fits=gpu <= gpu_memory,
+            master_bytes=0 if off else shard(master, 1), adam_bytes=0 if off else shard(adam, 1),
+            total_bytes=gpu, cpu_bytes=optimizer if off else 0, fits=gpu <= gpu_memory,
             headroom_bytes=gpu_memory - gpu, comm_bytes=comm, comm_seconds=comm / dp_bandwidth))
     return Plan(params_total=total, params_per_gpu=per_gpu, dp=dp, tp=tp, pp=pp, dtype=dtype,
                 offload_optimizer="cpu" if offload else None, gpu_memory_bytes=gpu_memory,

@@ -3,30 +3,18 @@ zerokern.integrations.accelerate.attach: accumulate() and clip_grad_norm_ give t
 params of torch AdamW under Accelerate's DDP, with one reduce-scatter per bucket per optimizer
 step; a torch.distributed.checkpoint taken at step 5 resumes exactly on 2 ranks and on 1."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-pytest.importorskip("accelerate")
+from launch import max_diff as _max_diff
+from launch import run_script
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "accelerate_train.py")
+pytest.importorskip("accelerate")
 
 
 def _launch(tmp, name, world, optimizer, *extra, timeout=240):
-    out = str(tmp / f"{name}.pt")
-    cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
-           if world > 1 else [sys.executable]) + [SCRIPT, "--optimizer", optimizer, "--out", out, *extra]
-    proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                          timeout=timeout)
-    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return torch.load(out, weights_only=True)
-
-
-def _max_diff(a, b):
-    return max((a[n] - b[n]).abs().max().item() for n in a)
+    return run_script("accelerate_train.py", world, str(tmp / f"{name}.pt"), ["--optimizer", optimizer, *extra],
+                      timeout)
 
 
 @pytest.fixture(scope="module")

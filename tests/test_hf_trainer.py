@@ -3,33 +3,20 @@
 the losses and params of the same Trainer run with torch AdamW under DDP; a checkpoint at
 step 10 resumes exactly on 2 ranks, and on 1 rank. Each launch runs under a timeout."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+
+from launch import max_diff as _max_diff
+from launch import run_script
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "hf_train.py")
-
 
 def _launch(tmp, name, world, optimizer, resume=None, zero_stage=2, timeout=300):
-    out = str(tmp / f"{name}.pt")
-    cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
-           if world > 1 else [sys.executable]) + [
-        SCRIPT, "--optimizer", optimizer, "--output-dir", str(tmp / name), "--out", out,
-        "--zero-stage", str(zero_stage)] + (["--resume", resume] if resume else [])
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return torch.load(out, weights_only=True)
-
-
-def _max_diff(a, b):
-    return max((a[n] - b[n]).abs().max().item() for n in a)
+    args = ["--optimizer", optimizer, "--output-dir", str(tmp / name), "--zero-stage", str(zero_stage)]
+    return run_script("hf_train.py", world, str(tmp / f"{name}.pt"), args + (["--resume", resume] if resume else []),
+                      timeout)
 
 
 @pytest.fixture(scope="module")

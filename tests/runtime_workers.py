@@ -201,20 +201,38 @@ def interrupted_backward(rank, world, stage, zero_after_failure):
 
 
 def released_buffers_die(rank, world):
-    """Stage 2: after step() no full grad buffer survives (weak references die), at any world size."""
+    """Stage 2: after step() no full grad buffer survives outside the optimizer's small pool (weak
+    references to every buffer the hooks saw die or are the pool's free buffers), at any world size."""
     torch.set_num_threads(1)
     model = gpt()
     opt = FusedZeroAdam(model.parameters(), lr=1e-2, zero_stage=2, bucket_cap_mb=0.002)
+    seen = {}
+
+    def look(p):
+        for b in opt.schedule.buckets:
+            if b.full is not None:
+                seen[id(b.full)] = weakref.ref(b.full)
+                base = getattr(b, "_base", None)
+                if base is not None:
+                    seen[id(base)] = weakref.ref(base)
+
+    hooks = [p.register_post_accumulate_grad_hook(look) for p in model.parameters()]
     seq = tokens(1)[0]
-    alive_after = []
+    alive_after, pooled = [], []
     for _ in range(2):
         opt.zero_grad()
         gpt_loss(model, mine(seq, rank, world)).backward()
-        refs = [weakref.ref(b.full) for b in opt.schedule.buckets if b.full is not None]
         opt.step()
         gc.collect()
-        alive_after.append(sum(r() is not None for r in refs))
-    return {"alive": alive_after, "refs": len(refs), "grads_bytes": opt.memory_report()["grads"],
+        alive = [r() for r in seen.values() if r() is not None]
+        free = [t for ts in opt.schedule.pool._free.values() for t in ts]
+        alive_after.append(len([t for t in alive if not any(t is f for f in free)]))
+        pooled.append(len(free))
+    for h in hooks:
+        h.remove()
+    return {"alive": alive_after, "refs": len(seen), "pooled": pooled, "keep": opt.schedule.pool.keep,
+            "grads_bytes": opt.memory_report()["grads"], "shard_bytes": sum(
+                b.shard.numel() * b.shard.element_size() for b in opt.schedule.buckets if b.shard is not None),
             "grad_none": all(p.grad is None for p in model.parameters())}
 
 
@@ -291,7 +309,8 @@ def mixed_dtypes_unused_on_one_rank(rank, world, overlap):
 def grad_edit_after_backward(rank, world, stage, how):
     """Editing .grad between backward and step(): masking, or torch's clip_grad_norm_. Where
     .grad holds the averaged grad (stage 0, or one process) the result is DDP + AdamW's doing the
-    same; where it holds the local grad (stages 1/2 on several ranks) step() raises on every rank."""
+    same; where it holds the local grad (stage 1 on several ranks) step() raises on every rank; where it
+    is a placeholder (stage 2 on several ranks) the edit raises on the rank that makes it."""
     torch.set_num_threads(1)
     model = gpt()
     ref = copy.deepcopy(model)
@@ -301,12 +320,12 @@ def grad_edit_after_backward(rank, world, stage, how):
         for m, o, part in ((model, opt, mine(seq, rank, world)), (ref, ref_opt, seq)):
             o.zero_grad()
             gpt_loss(m, part).backward()
-            if how == "mask":
-                m.blocks[1].fc1.weight.grad[:, :5] = 0  # in place, through the .grad view
-                m.ln.weight.grad.mul_(0.5)
-            else:
-                torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
-            try:
+            try:  # stage 1 raises in step(); stage 2 ([Note: stage-2 .grad]) at the edit itself
+                if how == "mask":
+                    m.blocks[1].fc1.weight.grad[:, :5] = 0  # in place, through the .grad view
+                    m.ln.weight.grad.mul_(0.5)
+                else:
+                    torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
                 o.step()
             except RuntimeError as e:
                 return {"error": str(e)}

@@ -62,7 +62,9 @@ def test_released_grad_buffers_do_not_outlive_the_step(world):
     for r in results:
         assert r["refs"] > 1
         assert r["alive"] == [0, 0], r
-        assert r["grads_bytes"] == 0 and r["grad_none"], r
+        assert all(n <= r["keep"] for n in r["pooled"]), r
+        # one process: nothing is held; several ranks: the reduced shards (stage 2's gradients) stay
+        assert r["grads_bytes"] == (0 if world == 1 else r["shard_bytes"]) and r["grad_none"], r
 
 
 @pytest.mark.parametrize("stage", [0, 2])
@@ -100,8 +102,12 @@ def test_grad_edits_where_grad_is_the_average_match_ddp(stage, world, how):
 def test_grad_edits_of_local_grads_raise_on_every_rank(stage, how):
     """Never silent: torch's clip_grad_norm_ on local grads would clip each rank by its own norm."""
     for r in dist_harness.values(dist_harness.run(W.grad_edit_after_backward, 2, stage, how, timeout=120)):
-        assert r["error"] and "changed in place between backward and step()" in r["error"], r
-        assert "opt.clip_grad_norm_" in r["error"] and "zero_stage=0" in r["error"], r
+        if stage == 1:
+            assert r["error"] and "changed in place between backward and step()" in r["error"], r
+            assert "opt.clip_grad_norm_" in r["error"] and "zero_stage=0" in r["error"], r
+        else:  # [Note: stage-2 .grad]: the placeholder refuses, naming the param and the fix
+            assert r["error"] and "on the gradient of params[" in r["error"], r
+            assert "opt.clip_grad_norm_" in r["error"] and "zero_stage=1" in r["error"], r
 
 
 def test_add_param_group_after_construction_says_what_to_do():

@@ -264,6 +264,10 @@ class FusedZeroAdam(torch.optim.Optimizer):
         flag = torch.zeros((), device=shards[0].device)
         torch._amp_foreach_non_finite_check_and_unscale_(shards, flag, torch.ones((), device=flag.device))
         self.comm.wait(self.comm.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, name="overflow"))
+        if self.zero_stage == 2:  # the placeholders in .grad answer the scaler with it ([Note: stage-2 .grad])
+            for s in self.stores:
+                s.bucket.overflow = flag
+            return
         for s in self.stores:
             for i in s.bucket.plan.tensors:
                 p = s.flat.params[i]
@@ -573,5 +577,6 @@ class FusedZeroAdam(torch.optim.Optimizer):
             for d in (s.nbytes(), s.bucket.nbytes()):
                 for k, v in d.items():
                     rep[k] += v
+        rep["comm_buffers"] += self.schedule.pool.free_bytes()  # stage-2 full buffers kept for reuse
         rep["total"] = sum(rep.values())
         return rep

@@ -29,13 +29,17 @@ from typing import List, Optional
 import torch
 
 from ..zero.layout import Bucket, FlatLayout
+from .sharded_grad import ShardedGrad
 from .states import BucketState
 
 
 class GradBucket:
     """Bucket `plan.index` of `layout`: its full grad buffer (allocated on first
-    use; released at stage 2 after the step) and, when sharded over ranks, this
-    rank's reduced shard (kept)."""
+    use; released at stage 2 on one process after the step) and, when sharded over
+    ranks, this rank's reduced shard (kept). Stage 2 on several ranks is
+    ReleasingGradBucket (stage2_bucket.py)."""
+
+    releases = False  # the full buffer is kept until step()/zero_grad()
 
     def __init__(self, layout: FlatLayout, plan: Bucket, dtype, device, comm, rank: int, sharded: bool, name: str):
         self.layout, self.plan = layout, plan
@@ -72,7 +76,7 @@ class GradBucket:
 
     def is_view(self, index: int, grad: Optional[torch.Tensor], shape) -> bool:
         full = self.full
-        if grad is None or full is None or grad.shape != shape:
+        if grad is None or full is None or grad.shape != shape or isinstance(grad, ShardedGrad):
             return False
         s = self.layout.slots[index]
         return grad.data_ptr() == full.data_ptr() + s.offset * full.element_size()
@@ -191,4 +195,4 @@ class GradBucket:
     def nbytes(self) -> dict:
         full = 0 if self.full is None else self.full.numel() * self.full.element_size()
         shard = 0 if self.shard is None else self.shard.numel() * self.shard.element_size()
-        return {"grads": full, "comm_buffers": shard}
+        return {"grads": full + shard, "comm_buffers": 0}  # the reduced shard is a gradient too

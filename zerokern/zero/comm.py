@@ -45,6 +45,10 @@ class Comm:
         self.world_size = dist.get_world_size(process_group) if process_group is not None else 1
         self.rank = dist.get_rank(process_group) if process_group is not None else 0
         self.wait_seconds = 0.0  # host time spent waiting on collectives (bench/overlap.py reads it)
+        # [Note: the collective for the backend] gloo's reduce-scatter is slower than its all-reduce of
+        # the same buffer (133 ms vs 74 ms for 17M floats on 2 ranks, bench/train_step.py --collectives);
+        # NCCL's moves half the bytes. Where the input is scratch, gloo gets an all-reduce.
+        self.prefers_all_reduce = self.distributed and dist.get_backend(process_group) == "gloo"
         if self.distributed:
             exit_drain.register()  # [Note: exit drain]
 

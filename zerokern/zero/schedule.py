@@ -18,11 +18,14 @@ version rule of bucket.py ([Note: the local grads are the truth]) decides
 whether their results are still valid when step() comes.
 """
 
+from collections import deque
 from typing import Callable, List, Optional
 
 import torch
 
 from .bucket import GradBucket
+from .pool import GradBufferPool
+from .stage2_bucket import IN_FLIGHT_BUCKETS
 from .states import BackwardState
 
 
@@ -37,6 +40,14 @@ class ReduceSchedule:
         self.state = BackwardState.IDLE
         self._next = 0  # buckets before this one were launched in the running backward
         self._position = {id(b): k for k, b in enumerate(buckets)}
+        # [Note: stage-2 memory]: stage-2 buckets draw their full buffers from one pool, and at most
+        # IN_FLIGHT_BUCKETS of their reductions run at once in backward (the oldest is waited for).
+        self.pool = GradBufferPool(keep=IN_FLIGHT_BUCKETS + 1)
+        self._in_flight = deque()
+        for b in buckets:
+            if b.releases:
+                b.pool = self.pool
+                self.pool.reserve(b.plan.padded_numel, b.dtype, b.device)
 
     # --- backward ------------------------------------------------------------
 
@@ -48,15 +59,23 @@ class ReduceSchedule:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         if self.overlap:
             while self._next < len(self.buckets) and self.buckets[self._next].complete():
-                self.buckets[self._next].launch()
+                self._launch(self.buckets[self._next])
                 self._next += 1
+
+    def _launch(self, bucket: GradBucket) -> None:
+        bucket.launch()
+        if bucket.releases:
+            self._in_flight.append(bucket)
+            while len(self._in_flight) > IN_FLIGHT_BUCKETS:
+                self._in_flight.popleft().wait()  # its full buffer goes back to the pool
 
     def _end_of_backward(self) -> None:
         with torch.no_grad():
             for b in self.buckets[self._next:]:
-                b.launch()
+                self._launch(b)
             for b in self.buckets:
                 b.wait()
+            self._in_flight.clear()
             self._next = 0
             self.state = BackwardState.FINISHED
             if self.after_backward is not None:
@@ -68,6 +87,7 @@ class ReduceSchedule:
         if self.state is BackwardState.RUNNING and torch._C._current_graph_task_id() == -1:
             for b in self.buckets:
                 b.abandon()
+            self._in_flight.clear()
             self._next = 0
             self.state = BackwardState.IDLE
 
@@ -89,6 +109,7 @@ class ReduceSchedule:
     def end_round(self, release: bool) -> None:
         for b in self.buckets:
             b.release() if release else b.end_round()
+        self._in_flight.clear()
         self._next = 0
         self.state = BackwardState.IDLE
 
@@ -96,5 +117,6 @@ class ReduceSchedule:
         self.reset()
         for b in self.buckets:
             b.zero()
+        self._in_flight.clear()
         self._next = 0
         self.state = BackwardState.IDLE

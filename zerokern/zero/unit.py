@@ -30,6 +30,8 @@ import torch
 
 from .bucket import GradBucket
 from .layout import plan_layout
+from .sharded_grad import ShardedGrad
+from .stage2_bucket import ReleasingGradBucket
 from .states import BucketState
 from .storage import FlatBuffers
 
@@ -88,8 +90,16 @@ class FlatParams:
         self.param_bufs.bind_params(params)
         reduce_scatter = self.sharded and comm.distributed
         dt = str(self.dtype).replace("torch.", "")
-        self.buckets = [GradBucket(self.layout, b, self.dtype, self.device, comm, self.rank, reduce_scatter,
-                                   f"{unit_name}:{dt}:{b.index}") for b in self.layout.buckets]
+        # [Note: stage-2 memory]: full grad buffers live only until their reduction completes
+        self.releases = config.stage == 2 and reduce_scatter
+        if self.releases:
+            self.buckets = [ReleasingGradBucket(self.layout, b, self.dtype, self.device, comm, self.rank, True,
+                                                f"{unit_name}:{dt}:{b.index}", on_release=self._released,
+                                                on_launch=self._reconcile)
+                            for b in self.layout.buckets]
+        else:
+            self.buckets = [GradBucket(self.layout, b, self.dtype, self.device, comm, self.rank, reduce_scatter,
+                                       f"{unit_name}:{dt}:{b.index}") for b in self.layout.buckets]
         self.bound: List[Optional[torch.Tensor]] = [None] * len(params)  # the view each .grad was last set to
         self.ptrs = [p.data_ptr() for p in params]  # where each param's data must stay ([Note: ownership])
         self.changed = set()  # params adopted with new values since the stores last looked
@@ -105,12 +115,73 @@ class FlatParams:
     def bind_grad(self, i: int) -> None:
         """params[i].grad becomes its bucket view, holding the grad it has now (if any)."""
         p, bucket = self.params[i], self.bucket_of(i)
-        if bucket.is_view(i, p.grad, p.shape):
+        if bucket.is_view(i, p.grad, p.shape) or isinstance(p.grad, ShardedGrad):
             return
         view = bucket.view(i, p.shape)
         if p.grad is not None:
             view.copy_(p.grad)  # a fresh grad from autograd, or one assigned by hand
             bucket.note_write()
+        p.grad = self.bound[i] = view
+
+    # --- stage 2 ([Note: stage-2 memory], [Note: stage-2 .grad]) -------------------------
+
+    def _released(self, bucket) -> None:
+        """A stage-2 bucket's full buffer is going back to the pool: its members' .grad become
+        placeholders, also where this rank had no grad: the shard may hold other ranks' part, as DDP
+        gives a param unused on one rank the averaged grad."""
+        for i in bucket.plan.tensors:
+            p = self.params[i]
+            if bucket.is_view(i, p.grad, p.shape) or p.grad is None:
+                p.grad = self.bound[i] = ShardedGrad(p, self.names[i], bucket, i)
+
+    def sync_grad(self, i: int) -> None:
+        """What the user did to params[i].grad since the runtime bound it: a grad assigned by hand
+        (no backward, so no hook) moves into its bucket; one set to None (torch's way to skip a
+        param) no longer counts. A .grad that is still the one bound last passes on identity."""
+        p, bound, bucket = self.params[i], self.bound[i], self.bucket_of(i)
+        g = p.grad
+        if g is bound:
+            return
+        if self.releases:
+            self.take_grad_change(i)
+        if g is None:
+            bucket.clear_got(i)
+        elif not bucket.is_view(i, g, p.shape):
+            self.bind_grad(i)
+            bucket.mark_got(i, False)
+
+    def _reconcile(self, bucket) -> None:
+        """Stage 2, just before the bucket's launch: its members' .grad changes are taken now, at the
+        same point of the collective order on every rank, so a reduced grad the user dropped is
+        zeroed in the shard before any rank adds a new reduction to it."""
+        for i in bucket.plan.tensors:
+            self.sync_grad(i)
+
+    def take_grad_change(self, i: int) -> None:
+        """Stage 2: a .grad the user replaced (None or a tensor) since the runtime bound it: the
+        param's reduced grad of this round is forgotten, as torch forgets a grad it no longer holds
+        (its pending part, if any, is zeroed by prepare_grad() or launch())."""
+        bound = self.bound[i]
+        # Also where this rank had no grad (bound None): the shard holds the other ranks' part.
+        if self.params[i].grad is not bound:
+            self.bucket_of(i).drop_reduced(i)
+            if isinstance(bound, ShardedGrad):
+                self.bound[i] = None
+
+    def prepare_grad(self, i: int) -> None:
+        """Stage 2, before autograd adds a grad for params[i]: .grad becomes a view of the pending
+        buffer (taken from the pool if the bucket has none), so the add lands in the bucket."""
+        p, bucket = self.params[i], self.bucket_of(i)
+        if bucket.is_view(i, p.grad, p.shape):
+            return
+        self.take_grad_change(i)
+        stale = self.bound[i] is not None and not isinstance(self.bound[i], ShardedGrad)
+        view = bucket.view(i, p.shape)
+        if isinstance(p.grad, torch.Tensor) and not isinstance(p.grad, ShardedGrad):
+            view.copy_(p.grad)  # assigned by hand: autograd adds to it, as torch would
+        elif stale:
+            view.zero_()  # the slot still holds a pending grad the user dropped
+        bucket.note_write()
         p.grad = self.bound[i] = view
 
     def param_shard(self, b: int) -> torch.Tensor:
@@ -136,7 +207,7 @@ class FlatParams:
                 self.changed.add(i)  # new values: a separate fp32 master must be read again
             view.copy_(p.data)
         p.data = view
-        if p.grad is not None:  # model.to() moved the grad along with the data
+        if p.grad is not None and not isinstance(p.grad, ShardedGrad):  # model.to() moved the grad along
             self.bind_grad(i)
 
     def unbind_released(self) -> None:
@@ -193,6 +264,8 @@ class ShardUnit:
             bucket = f.bucket_of(i)
             if bucket.state is BucketState.IN_FLIGHT:
                 bucket.wait()
+            if f.releases:
+                f.prepare_grad(i)
         return pre_hook
 
     def _hook(self, f: FlatParams, i: int):
@@ -211,16 +284,10 @@ class ShardUnit:
         - a grad set to None (torch's way to skip a param this step) no longer counts.
         A .grad that is still the view bound last is passed on identity and a pointer."""
         for f in self.flat:
-            for i, (p, bound, ptr) in enumerate(zip(f.params, f.bound, f.ptrs)):
+            for i, (p, ptr) in enumerate(zip(f.params, f.ptrs)):
                 if p.data_ptr() != ptr:
                     f.adopt(i)
-                g = p.grad
-                if g is None:
-                    f.bucket_of(i).clear_got(i)
-                elif g is not bound:
-                    if not f.bucket_of(i).is_view(i, g, p.shape):
-                        f.bind_grad(i)
-                        f.bucket_of(i).mark_got(i, False)
+                f.sync_grad(i)
 
     def rebind_zeroed_grads(self) -> None:
         """After zero_grad(): each .grad is its (zeroed) bucket view again, or None where the

@@ -1,0 +1,166 @@
+"""ReleasingGradBucket: a stage-2 bucket on several ranks, whose full gradient
+buffer lives only while it is accumulated or reduced.
+
+[Note: stage-2 memory] At stage 2 the reduced shard is the truth, not the
+local grads (contrast [Note: the local grads are the truth] in bucket.py, which
+stages 0 and 1 keep). The full buffer holds only the local grads not yet
+reduced ("pending"); each reduction adds its average into the shard, which
+accumulates over the synced backwards of a round (a round ends at step() or
+zero_grad()), and the full buffer goes back to the pool the moment the
+reduction is waited for. So after a synced backward a rank holds its reduced
+shards plus nothing else; during backward, the buckets autograd is filling
+plus at most IN_FLIGHT_BUCKETS reductions in flight (ReduceSchedule waits for
+the oldest beyond that). Under no_sync() the pending buffers stay, as FSDP2's
+unsharded grads do, and the next synced backward or step() reduces them.
+
+What .grad holds is in [Note: stage-2 .grad] (sharded_grad.py). A grad that
+arrives after its bucket was reduced (a second synced backward, reentrant
+checkpointing, shared weights) goes into a fresh pending buffer and is
+reduced again, adding to the shard; a reduced grad that the user drops
+(.grad = None, or a tensor assigned by hand) has its part of this rank's shard
+zeroed (drop_reduced), as torch would forget it. The shard holds every rank's
+part, so every rank must drop at the same point of the collective order: the
+members' .grad are looked at just before each launch (and at step()), never
+only when a rank's own backward reaches the param.
+
+[Note: the collective for the backend] The pending buffer is scratch once it
+is launched, so the bucket may reduce it with whichever collective the
+backend does best (Comm.prefers_all_reduce): an in-place all-reduce followed
+by reading this rank's range (gloo, whose reduce-scatter is slower than its
+all-reduce), or a reduce-scatter (NCCL, half the bytes).
+"""
+
+import torch
+
+from .bucket import GradBucket
+from .states import BucketState
+
+IN_FLIGHT_BUCKETS = 2  # reductions in flight at once in a stage-2 backward (each holds a full buffer)
+
+
+class ReleasingGradBucket(GradBucket):
+    releases = True
+
+    def __init__(self, *args, on_release, on_launch, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.on_release = on_release  # FlatParams: the members' .grad views become placeholders
+        self.on_launch = on_launch  # FlatParams: the members' .grad changes are taken (see drop_reduced)
+        self.pool = None  # set by the ReduceSchedule that owns the bucket; plain allocation until then
+        self._base = None  # the pool buffer self.full is a prefix of
+        self._scratch = None  # where the running reduction leaves its result, if not in self.shard
+        self.has_reduced = False  # the shard holds reductions of this round (see drop_reduced)
+        self.overflow = None  # the agreed inf/nan flag of the shard (FusedZeroAdam, after backward)
+
+    # --- buffers -------------------------------------------------------------
+
+    def full_buffer(self) -> torch.Tensor:
+        if self.full is None:
+            n = self.plan.padded_numel
+            if self.pool is not None:
+                self._base = self.pool.acquire(n, self.dtype, self.device)
+                self.full = self._base[:n]
+            else:
+                self.full = torch.zeros(n, dtype=self.dtype, device=self.device)
+        return self.full
+
+    def _free_full(self) -> None:
+        if self.full is None:
+            return
+        self.on_release(self)
+        self.full = None
+        if self._base is not None:
+            self.pool.release(self._base)
+            self._base = None
+
+    def reduced_grad(self) -> torch.Tensor:
+        return self.shard
+
+    def drop_reduced(self, index: int) -> None:
+        """Member `index`'s reduced grad is forgotten (.grad set to None, replaced, or zeroed):
+        its part of this rank's shard becomes zero."""
+        if not self.has_reduced:
+            return
+        for pc in self.layout.rank_pieces(self.rank, self.plan.index):
+            if pc.index == index:
+                self.shard[pc.shard_offset:pc.shard_offset + pc.numel].zero_()
+
+    def overflow_flag(self) -> torch.Tensor:
+        """1.0 if the reduced shard holds an inf/nan on some rank (agreed after backward), else 0."""
+        if self.overflow is not None:
+            return self.overflow
+        flag = torch.zeros((), device=self.device)  # no agreed flag (an interrupted backward): this rank's
+        torch._amp_foreach_non_finite_check_and_unscale_([self.shard], flag, torch.ones((), device=self.device))
+        return flag
+
+    # --- transitions -----------------------------------------------------------
+
+    def edited(self) -> bool:
+        """Pending grads changed in place while the shard holds reductions of this round (a
+        no_sync backward after a synced one, then an edit): the edit cannot reach the reduced
+        part, so step() raises as at stage 1. A placeholder refuses edits itself."""
+        return self.has_reduced and self.full is not None and self.full._version != self.known_version
+
+    def launch(self) -> None:
+        """IDLE/REDUCED -> IN_FLIGHT: the pending grads (zeros for members without one) are reduced."""
+        self.wait()
+        self.on_launch(self)
+        full = self.full_buffer()
+        for k, i in enumerate(self.plan.tensors):
+            if not self.got[k]:  # a member whose grad was dropped may have left values in its slot
+                s = self.layout.slots[i]
+                full[s.offset:s.offset + s.numel].zero_()
+        self.reduced_in_round = True
+        self.ready.clear()
+        self.rewritten = False
+        self.note_write()
+        name = f"{self.name}"
+        if self.comm.prefers_all_reduce:
+            self._scratch = full[self._range[0]:self._range[1]]
+            self.work = self.comm.all_reduce(full, name=f"all_reduce[{name}]")
+        else:
+            self._scratch = torch.empty_like(self.shard) if self.has_reduced else self.shard
+            self.work = self.comm.reduce_scatter(self._scratch, full, name=f"reduce_scatter[{name}]")
+        self.state = BucketState.IN_FLIGHT
+
+    def wait(self) -> None:
+        """IN_FLIGHT -> REDUCED: the average is added into the shard and the full buffer released."""
+        if self.state is not BucketState.IN_FLIGHT:
+            return
+        self.comm.wait(self.work)
+        self.work = None
+        result, self._scratch = self._scratch, None
+        if self.has_reduced:
+            self.shard.add_(result.div_(self.comm.world_size))
+        elif result is self.shard:
+            self.shard.div_(self.comm.world_size)
+        else:
+            torch.div(result, self.comm.world_size, out=self.shard)
+        self.has_reduced = True
+        self.state = BucketState.REDUCED
+        self._free_full()
+
+    def end_round(self) -> None:
+        """After step(): -> IDLE, the full buffer (if any) released, the shard stale."""
+        self.wait()
+        self._free_full()
+        self.state = BucketState.IDLE
+        self.ready.clear()
+        self.rewritten = False
+        self.reduced_in_round = False
+        self.has_reduced = False
+        self.overflow = None
+        self.got = [False] * len(self.got)
+
+    def zero(self) -> None:
+        self.end_round()
+
+    def release(self) -> None:
+        self.end_round()
+
+    def abandon(self) -> None:
+        self.wait()  # the reduction of an interrupted backward is kept: torch keeps its partial grads too
+        self.ready.clear()
+
+    def nbytes(self) -> dict:
+        full = 0 if self.full is None else self.full.numel() * self.full.element_size()
+        return {"grads": full + self.shard.numel() * self.shard.element_size(), "comm_buffers": 0}

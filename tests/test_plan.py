@@ -16,9 +16,14 @@ GB = 1e9
 def test_zero_paper_figure_1():
     """7.5B params, 64 GPUs, mixed-precision Adam (K = 12): 120, 31.4, 16.6, 1.9 GB per GPU."""
     p = plan(7.5e9, dp=64)
-    totals = [round(s.total_bytes / GB, 1) for s in p.stages]
+    totals = [round((s.total_bytes - s.buffers_bytes) / GB, 1) for s in p.stages]
     assert totals == [120.0, 31.4, 16.6, 1.9]
     assert p.smallest_fitting_stage == 1  # at the default 80 GB
+    # [Note: what zerokern holds]: stage 1's reduced shard (2 B * P / dp) and stage 2's three
+    # buckets of 25 MiB come on top of the paper's model states
+    assert [s.buffers_bytes for s in p.stages] == [0, 2 * 7.5e9 / 64, 3 * 25 * 2**20, 0]
+    assert p.stages[1].total_bytes == p.stages[1].params_bytes + p.stages[1].grads_bytes + 2 * 7.5e9 / 64 \
+        + p.stages[1].master_bytes + p.stages[1].adam_bytes
 
 
 def test_65b_tp8_pp8_dp4_zero1_by_hand():
@@ -33,7 +38,7 @@ def test_65b_tp8_pp8_dp4_zero1_by_hand():
     #   embedding (tied output layer) 32000/8 * 8192 = 32,768,000; final LayerNorm 2h = 16,384
     #   -> 1,039,980,544 params = P
     # ZeRO-1, bf16: params 2P, grads 2P, master 4P/dp = P, Adam 8P/dp = 2P -> 7P bytes
-    #   = 7,279,863,808 bytes = 7.28 GB
+    #   = 7,279,863,808 bytes = 7.28 GB; zerokern also holds the reduced grad shard 2P/dp = P/2
     # Communication: 2 * P * 2 bytes * (dp-1)/dp = 3P = 3,119,941,632 bytes
     p = plan(layers=80, hidden=8192, heads=64, vocab=32000, tp=8, pp=8, dp=4)
     assert p.params_total == 64_695_189_504
@@ -41,7 +46,7 @@ def test_65b_tp8_pp8_dp4_zero1_by_hand():
     s1 = p.stages[1]
     assert s1.params_bytes == 2 * 1_039_980_544 and s1.grads_bytes == 2 * 1_039_980_544
     assert s1.master_bytes == 1_039_980_544 and s1.adam_bytes == 2 * 1_039_980_544
-    assert s1.total_bytes == 7_279_863_808
+    assert s1.total_bytes - s1.buffers_bytes == 7_279_863_808 and s1.buffers_bytes == 1_039_980_544 / 2
     assert s1.comm_bytes == 3_119_941_632
     assert p.pipeline_bubble == pytest.approx(7 / 8)  # one micro-batch, 8 stages
 
@@ -70,14 +75,15 @@ def test_fp32_offload_and_bubble():
     # (stage 1 and up; DeepSpeed has no offload at stage 0): there the 8/dp bytes live in CPU memory
     assert s0.master_bytes == 0 and s0.adam_bytes == 8 * 5e8 and s0.cpu_bytes == 0
     assert s0.total_bytes == 16 * 5e8
-    assert s1.adam_bytes == 0 and s1.cpu_bytes == 8 * 5e8 / 4 and s1.total_bytes == 8 * 5e8
+    # stage 1 also holds the reduced fp32 grad shard, 4 * P / dp
+    assert s1.adam_bytes == 0 and s1.cpu_bytes == 8 * 5e8 / 4 and s1.total_bytes == 8 * 5e8 + 4 * 5e8 / 4
     assert p.pipeline_bubble == pytest.approx(1 / 5)
 
 
 def test_cli_json_and_exit_codes(capsys):
     assert main(["--params", "7.5e9", "--dp", "64", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert [round(s["total_bytes"] / GB, 1) for s in out["stages"]] == [120.0, 31.4, 16.6, 1.9]
+    assert [round((s["total_bytes"] - s["buffers_bytes"]) / GB, 1) for s in out["stages"]] == [120.0, 31.4, 16.6, 1.9]
     assert out["smallest_fitting_stage"] == 1
     for bad, message in ((["--params", "-1"], "cannot read '-1' as a parameter count"),
                          (["--layers", "80", "--hidden", "8192", "--heads", "64", "--vocab", "32000", "--pp", "3"],

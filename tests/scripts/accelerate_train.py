@@ -53,12 +53,14 @@ def main():
     inner = getattr(opt, "optimizer", opt)
     if args.optimizer == "zero":
         comm = inner.comm
-        counted = comm.reduce_scatter
 
-        def counting(*a, **k):
-            reductions[0] += 1
-            return counted(*a, **k)
-        comm.reduce_scatter = counting
+        def counting(collective):
+            def counted(*a, **k):  # bucket reductions are labelled "<collective>[<bucket>]"
+                reductions[0] += "[" in k.get("name", "")
+                return collective(*a, **k)
+            return counted
+        # stage 2 on gloo reduces with an all-reduce ([Note: the collective for the backend])
+        comm.reduce_scatter, comm.all_reduce = counting(comm.reduce_scatter), counting(comm.all_reduce)
 
     step, losses = 0, {}
     if args.resume:

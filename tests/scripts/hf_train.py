@@ -13,7 +13,7 @@ STEPS, SAVE_AT, ACCUM, GLOBAL_BATCH, SEQ = 20, 10, 2, 8, 16
 
 
 class CountReductions(TrainerCallback):
-    """Counts FusedZeroAdam's reduce-scatters (one per bucket per optimizer step is expected)."""
+    """Counts FusedZeroAdam's bucket reductions (one per bucket per optimizer step is expected)."""
 
     def __init__(self):
         self.count, self.buckets = 0, None
@@ -23,12 +23,15 @@ class CountReductions(TrainerCallback):
         if not hasattr(inner, "comm"):
             return
         self.buckets = len(inner.schedule.buckets)
-        counted = inner.comm.reduce_scatter
+        comm = inner.comm
 
-        def counting(*a, **k):
-            self.count += 1
-            return counted(*a, **k)
-        inner.comm.reduce_scatter = counting
+        def counting(collective):
+            def counted(*a, **k):  # bucket reductions are labelled "<collective>[<bucket>]"
+                self.count += "[" in k.get("name", "")
+                return collective(*a, **k)
+            return counted
+        # stage 2 on gloo reduces with an all-reduce ([Note: the collective for the backend])
+        comm.reduce_scatter, comm.all_reduce = counting(comm.reduce_scatter), counting(comm.all_reduce)
 
 
 def main():

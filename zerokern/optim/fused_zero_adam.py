@@ -78,14 +78,21 @@ class FusedZeroAdam(torch.optim.Optimizer):
     the default group if torch.distributed is initialized, else one process),
     bucket_cap_mb (25), overlap_comm (True) and offload (None, or
     zerokern.OffloadPolicy()). Stage 1 shards the fp32 master weights and Adam
-    state; stage 2 also frees the full gradient buffers after each step.
+    state; stage 2 also the gradients: on several ranks each bucket's full
+    gradient buffer is freed as soon as its reduction completes, so a rank
+    holds its reduced shards plus at most 3 buckets in backward
+    ([Note: stage-2 memory] in zero/stage2_bucket.py).
 
     The params are moved into flat buckets: their .data becomes a view of a
     bucket (values unchanged) and their .grad a view of a gradient bucket that
-    autograd accumulates into. After backward, at stages 1 and 2, .grad holds
-    this rank's local (unreduced) gradient; at stage 0 the averaged one, as
-    DDP. Editing .grad between backward and step() is seen: the edited bucket
-    is reduced again ([Note: the local grads are the truth] in zero/bucket.py).
+    autograd accumulates into. After backward: at stage 0 .grad holds the
+    averaged gradient, as DDP; at stage 1 on several ranks this rank's local
+    (unreduced) gradient, and editing it between backward and step() raises
+    ([Note: the local grads are the truth] in zero/bucket.py); at stage 2 on
+    several ranks a zerokern ShardedGrad placeholder, which answers GradScaler,
+    zeroes with zero_() and refuses reads and edits (torch's clip_grad_norm_)
+    with an error naming the param ([Note: stage-2 .grad]); under no_sync() the
+    local gradient. Setting .grad to None or assigning one works at every stage.
     opt.state[p] holds views of this rank's slice of p (flattened) of
     "exp_avg", "exp_avg_sq" and, for fp16/bf16 params, "master_param", with
     "step" as in torch.optim.AdamW. fp32 params are their own master weights;

@@ -89,6 +89,8 @@ def parser():
     hw.add_argument("--dp-bandwidth", type=lambda t: parse_bytes(t, per_second=True), default=100e9,
                     help="per-GPU data-parallel link bandwidth in bytes (100GB/s, the default) or bits "
                          "(400Gb/s, 400Gbps: a lowercase b is a bit)")
+    hw.add_argument("--bucket-cap-mb", type=float, default=25.0,
+                    help="FusedZeroAdam's bucket_cap_mb (stage 2 holds up to 3 such buckets in backward)")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     return ap
 
@@ -105,17 +107,19 @@ def render(p, marked=None):
              f"GB per GPU (1 GB = 1e9 bytes); fits in {_gb(p.gpu_memory_bytes)} GB = model states only, "
              f"headroom left for activations",
              ""]
-    head = ["stage", "params", "grads", "master", "adam", "total", "fits (headroom)", "comm/step", "comm time"]
+    head = ["stage", "params", "grads", "buffers", "master", "adam", "total", "fits (headroom)", "comm/step",
+            "comm time"]
     if p.offload_optimizer:
-        head.insert(6, "cpu")
+        head.insert(7, "cpu")
     rows = []
     best = p.smallest_fitting_stage
     for s in p.stages:
-        row = [str(s.stage), _gb(s.params_bytes), _gb(s.grads_bytes), _gb(s.master_bytes), _gb(s.adam_bytes),
+        row = [str(s.stage), _gb(s.params_bytes), _gb(s.grads_bytes), _gb(s.buffers_bytes), _gb(s.master_bytes),
+               _gb(s.adam_bytes),
                _gb(s.total_bytes), f"{'yes' if s.fits else 'no'} ({_gb(s.headroom_bytes)})",
                f"{_gb(s.comm_bytes)} GB", f"{s.comm_seconds * 1e3:.1f} ms"]
         if p.offload_optimizer:
-            row.insert(6, _gb(s.cpu_bytes))
+            row.insert(7, _gb(s.cpu_bytes))
         notes = []
         if s.stage == best:
             notes.append("<- smallest stage that fits")
@@ -128,6 +132,9 @@ def render(p, marked=None):
     lines.append("")
     lines.append(f"comm: bytes each GPU sends per step over the data-parallel group at "
                  f"{p.dp_bandwidth_bytes_per_s / 1e9:g} GB/s (ring; 2x params for stages 0-2, 3x for stage 3)")
+    lines.append("buffers: what zerokern holds beyond the ZeRO paper's figures with dp > 1: stage 1 the reduced grad "
+                 "shard (grads/dp), stage 2 up to 3 buckets of --bucket-cap-mb in backward. DeepSpeed's ZeRO-2 "
+                 "estimator says 2 + 18/dp bytes/param (it keeps fp32 grads); zerokern 2 + 14/dp plus buffers")
     if p.pp > 1:
         lines.append(f"pipeline bubble: (pp-1)/(m+pp-1) = {p.pipeline_bubble:.1%} with m={p.micro_batches} micro-batches")
     if p.offload_optimizer:
@@ -145,7 +152,8 @@ def main(argv=None):
         p = plan(args.params, layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab,
                  ffn_hidden=args.ffn_hidden, arch=args.arch, kv_heads=args.kv_heads, dp=args.dp, tp=args.tp, pp=args.pp, dtype=args.dtype,
                  offload_optimizer=args.offload_optimizer, gpu_memory=args.gpu_memory,
-                 micro_batches=args.micro_batches, dp_bandwidth=args.dp_bandwidth)
+                 micro_batches=args.micro_batches, dp_bandwidth=args.dp_bandwidth,
+                 bucket_cap_mb=args.bucket_cap_mb)
     except ValueError as e:
         ap.error(str(e))  # exit code 2
     if args.json:

@@ -32,6 +32,17 @@ f=11008, 32 layers, 32 heads, vocab 32000) is 6,738,415,616. With tp the
 matrices split and the norms replicate; with pp the last stage holds the output
 layer and the final norm, the first the input embedding (with pp = 1, both).
 
+[Note: what zerokern holds] Beyond the ZeRO paper's figures, zerokern holds at
+stage 1 this rank's reduced gradient shard (grads/dp) next to the full local
+grads, and at stage 2 up to IN_FLIGHT_BUCKETS + 1 = 3 full gradient buckets of
+bucket_cap_mb during backward (two reductions in flight and the bucket being
+filled; zerokern/zero/stage2_bucket.py), capped at the full grads. These are
+`buffers`. DeepSpeed's estimate_zero2_model_states_mem_needs says 2 + 18/dp
+bytes per param for ZeRO-2 (16-bit params 2, then per dp rank 16-bit grads 2,
+fp32 grads 4, fp32 master 4, Adam 8) and no bucket: zerokern's stage 2 is
+2 + 14/dp plus the buckets, because its fused kernel reads the 16-bit reduced
+grads directly and keeps no fp32 copy of them.
+
 Communication per GPU per step, data-parallel, ring algorithms: plain DP
 all-reduces the grads (reduce-scatter + all-gather: 2 x params x (dp-1)/dp
 elements); ZeRO-1 and ZeRO-2 reduce-scatter the grads and all-gather the
@@ -53,6 +64,7 @@ class StagePlan:
     stage: int
     params_bytes: float
     grads_bytes: float
+    buffers_bytes: float  # zerokern's gradient buffers beyond those: [Note: what zerokern holds] above
     master_bytes: float
     adam_bytes: float
     total_bytes: float  # on the GPU
@@ -126,7 +138,7 @@ def _positive(name, value, allow_zero=False):
 
 def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_hidden=None, arch="gpt",
          kv_heads=None, dp=1, tp=1, pp=1, dtype="bf16", offload_optimizer=None, gpu_memory=80e9, micro_batches=1,
-         dp_bandwidth=100e9) -> Plan:
+         dp_bandwidth=100e9, bucket_cap_mb=25.0) -> Plan:
     """The memory and communication plan for every ZeRO stage. Give either
     `params` (a count; tp and pp then split it evenly) or the shape (layers,
     hidden, heads, vocab[, ffn_hidden]) of a GPT-style (arch="gpt") or Llama-style
@@ -139,7 +151,7 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
         raise ValueError(f"offload_optimizer must be 'cpu' or None, got {offload_optimizer!r}")
     offload = offload_optimizer == "cpu"
     for name, v in (("dp", dp), ("tp", tp), ("pp", pp), ("micro_batches", micro_batches),
-                    ("gpu_memory", gpu_memory), ("dp_bandwidth", dp_bandwidth)):
+                    ("gpu_memory", gpu_memory), ("dp_bandwidth", dp_bandwidth), ("bucket_cap_mb", bucket_cap_mb)):
         _positive(name, v)
     shape = (layers, hidden, heads, vocab)
     if params is not None and any(x is not None for x in shape):
@@ -195,10 +207,16 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
         shard = lambda x, s: x / dp if stage >= s else x  # noqa: E731
         optimizer = shard(master, 1) + shard(adam, 1)
         off = offload and stage >= 1  # ZeRO-Offload moves the sharded optimizer state: stage 1 and up
-        gpu = shard(p_bytes, 3) + shard(g_bytes, 2) + (0 if off else optimizer)
+        # [Note: what zerokern holds]: stage 1's reduced shard, stage 2's buckets in flight (with dp > 1)
+        buffers = 0.0
+        if dp > 1 and stage == 1:
+            buffers = g_bytes / dp
+        elif dp > 1 and stage == 2:
+            buffers = min(g_bytes, 3 * bucket_cap_mb * 2**20)
+        gpu = shard(p_bytes, 3) + shard(g_bytes, 2) + buffers + (0 if off else optimizer)
         comm = (3 if stage == 3 else 2) * per_gpu * b * (dp - 1) / dp
         stages.append(StagePlan(
-            stage=stage, params_bytes=shard(p_bytes, 3), grads_bytes=shard(g_bytes, 2),
+            stage=stage, params_bytes=shard(p_bytes, 3), grads_bytes=shard(g_bytes, 2), buffers_bytes=buffers,
             master_bytes=0 if off else shard(master, 1), adam_bytes=0 if off else shard(adam, 1),
             total_bytes=gpu, cpu_bytes=optimizer if off else 0, fits=gpu <= gpu_memory,
             headroom_bytes=gpu_memory - gpu, comm_bytes=comm, comm_seconds=comm / dp_bandwidth))

@@ -71,6 +71,10 @@ class SimComm:
         return self.inner.distributed
 
     @property
+    def prefers_all_reduce(self):
+        return self.inner.prefers_all_reduce
+
+    @property
     def wait_seconds(self):
         return sum(self.wait_by_kind.values())
 

@@ -253,7 +253,9 @@ def worker(rank, world, init, args, out):
             if v.name.startswith("zerokern"):
                 from zerokern.plan import plan
 
-                st = plan(numel, dp=world, dtype=dtype, bucket_cap_mb=args.bucket_cap_mb).stages[v.opt.zero_stage]
+                largest = max(p.numel() for p in base.parameters())
+                st = plan(numel, dp=world, dtype=dtype, bucket_cap_mb=args.bucket_cap_mb,
+                          largest_param=largest).stages[v.opt.zero_stage]
                 row["planner"] = {"grads": st.grads_bytes, "buffers": st.buffers_bytes,
                                   "optimizer_state": st.master_bytes + st.adam_bytes}
             result["rows"].append(row)

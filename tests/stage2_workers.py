@@ -59,7 +59,7 @@ def _apply(op, model, layer, value_seed):
             p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
 
 
-def random_accumulation(rank, world, stage, seed, steps=12, ops=None):
+def random_accumulation(rank, world, stage, seed, steps=12, ops=None, collective=None):
     """Each step: 1-3 micro-batches, each synced or under no_sync(), each rank using a random subset
     of layers; between them, on every rank alike, a layer's grads dropped (.grad = None), zeroed
     (stage 2, right after a synced backward) or replaced by hand. Against torch's semantics for the
@@ -82,6 +82,8 @@ def random_accumulation(rank, world, stage, seed, steps=12, ops=None):
         plan.append(micro)
     model, ref = RandomNet(seed), RandomNet(seed)
     opt = FusedZeroAdam(model.parameters(), lr=1e-2, weight_decay=0.01, zero_stage=stage, bucket_cap_mb=cap)
+    if collective is not None:  # gloo picks all_reduce; NCCL's path (reduce_scatter) is tested here too
+        opt.comm.prefers_all_reduce = collective == "all_reduce"
     for micro in plan:
         opt.zero_grad()
         for synced, used, xs, op, layer, vs in micro:

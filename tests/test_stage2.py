@@ -17,8 +17,9 @@ def test_stage2_holds_the_reduced_shards_and_a_few_buckets(world):
             # after backward: the reduced shards (1/world of the grads) and no full buffer
             assert rnd["grads_after_backward"] == r["shard_bytes"], r
             assert abs(r["shard_bytes"] * world - r["full_bytes"]) <= 16 * 4 * world * r["buckets"], r
-            # during backward: at most IN_FLIGHT_BUCKETS reductions in flight plus the bucket being filled
-            assert rnd["pool_peak"] <= (r["in_flight"] + 1) * r["bucket_bytes"], r
+            # during backward: at most IN_FLIGHT_BUCKETS reductions in flight, the bucket being filled
+            # and the one the tied embedding holds open ([Note: what zerokern holds] in plan/model.py)
+            assert rnd["pool_peak"] <= (r["in_flight"] + 2) * r["bucket_bytes"], r
             assert rnd["live_peak"] <= rnd["pool_peak"] < r["full_bytes"], r
             assert rnd["placeholders"] == r["params"], r
 
@@ -55,4 +56,12 @@ def test_randomized_accumulation_with_grad_operations_matches_torch(stage, seed)
 
 def test_randomized_accumulation_on_four_ranks():
     for r in dist_harness.values(dist_harness.run(W.random_accumulation, 4, 2, 5, timeout=300)):
+        assert r["worst"]["torch.float32"] < 5e-5 and r["worst"]["torch.bfloat16"] < 1e-2, r
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_randomized_accumulation_with_reduce_scatter(seed):
+    """The reduce-scatter path ([Note: the collective for the backend]: NCCL's), forced on gloo."""
+    for r in dist_harness.values(dist_harness.run(W.random_accumulation, 2, 2, seed, 12, None, "reduce_scatter",
+                                                  timeout=240)):
         assert r["worst"]["torch.float32"] < 5e-5 and r["worst"]["torch.bfloat16"] < 1e-2, r

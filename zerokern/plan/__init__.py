@@ -18,5 +18,6 @@ __all__ = ["plan", "from_model", "Plan", "StagePlan", "transformer_params", "tra
 
 def from_model(model, **kwargs) -> Plan:
     """plan() for a real torch.nn.Module: its trainable parameters (shared ones once)."""
-    count = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return plan(count, **kwargs)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    kwargs.setdefault("largest_param", max((p.numel() for p in trainable), default=None))
+    return plan(sum(p.numel() for p in trainable), **kwargs)

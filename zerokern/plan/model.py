@@ -34,9 +34,12 @@ layer and the final norm, the first the input embedding (with pp = 1, both).
 
 [Note: what zerokern holds] Beyond the ZeRO paper's figures, zerokern holds at
 stage 1 this rank's reduced gradient shard (grads/dp) next to the full local
-grads, and at stage 2 up to IN_FLIGHT_BUCKETS + 1 = 3 full gradient buckets of
-bucket_cap_mb during backward (two reductions in flight and the bucket being
-filled; zerokern/zero/stage2_bucket.py), capped at the full grads. These are
+grads, and at stage 2 during backward up to IN_FLIGHT_BUCKETS + 1 = 3 full
+gradient buckets of bucket_cap_mb (two reductions in flight and the bucket
+being filled; zerokern/zero/stage2_bucket.py) plus one bucket that a weight
+used at both ends of the model (a tied embedding, whose grad comes first and
+last) holds open all backward, as large as that weight if it exceeds the cap
+(largest_param; from_model() passes it), capped at the full grads. These are
 `buffers`. DeepSpeed's estimate_zero2_model_states_mem_needs says 2 + 18/dp
 bytes per param for ZeRO-2 (16-bit params 2, then per dp rank 16-bit grads 2,
 fp32 grads 4, fp32 master 4, Adam 8) and no bucket: zerokern's stage 2 is
@@ -138,7 +141,7 @@ def _positive(name, value, allow_zero=False):
 
 def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_hidden=None, arch="gpt",
          kv_heads=None, dp=1, tp=1, pp=1, dtype="bf16", offload_optimizer=None, gpu_memory=80e9, micro_batches=1,
-         dp_bandwidth=100e9, bucket_cap_mb=25.0) -> Plan:
+         dp_bandwidth=100e9, bucket_cap_mb=25.0, largest_param=None) -> Plan:
     """The memory and communication plan for every ZeRO stage. Give either
     `params` (a count; tp and pp then split it evenly) or the shape (layers,
     hidden, heads, vocab[, ffn_hidden]) of a GPT-style (arch="gpt") or Llama-style
@@ -212,7 +215,9 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
         if dp > 1 and stage == 1:
             buffers = g_bytes / dp
         elif dp > 1 and stage == 2:
-            buffers = min(g_bytes, 3 * bucket_cap_mb * 2**20)
+            cap = bucket_cap_mb * 2**20
+            held_open = cap if largest_param is None else max(cap, b * largest_param)
+            buffers = min(g_bytes, 3 * cap + held_open)
         gpu = shard(p_bytes, 3) + shard(g_bytes, 2) + buffers + (0 if off else optimizer)
         comm = (3 if stage == 3 else 2) * per_gpu * b * (dp - 1) / dp
         stages.append(StagePlan(

@@ -47,7 +47,6 @@ class ReduceSchedule:
         for b in buckets:
             if b.releases:
                 b.pool = self.pool
-                self.pool.reserve(b.plan.padded_numel, b.dtype, b.device)
 
     # --- backward ------------------------------------------------------------
 

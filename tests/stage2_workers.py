@@ -146,3 +146,29 @@ def placeholder_behaviour(rank, world):
     except RuntimeError as e:
         out["pending_edit"] = str(e)
     return out
+
+
+def gather_bits(rank, world):
+    """Comm.all_gather of a param buffer's own slice ([Note: gather as a sum] on gloo) against
+    torch's all_gather_into_tensor, bit for bit: -0.0, NaN payloads, infs, subnormals, randoms."""
+    import torch.distributed as dist
+
+    from zerokern.zero.comm import Comm
+
+    comm = Comm()
+    out = {"used_sum": comm.prefers_all_reduce}
+    for dtype, bits in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16)):
+        n = 48
+        g = torch.Generator().manual_seed(rank)
+        mine = torch.randn(n, generator=g).to(dtype)
+        special = torch.tensor([-0.0, float("inf"), -float("inf"), 1e-40, -1e-40], dtype=torch.float32).to(dtype)
+        mine[:5] = special
+        nan = torch.tensor([0x7FC00123 if dtype == torch.float32 else 0x7FC3], dtype=bits).view(dtype)
+        mine[5] = nan[0]
+        buf = torch.full((n * world,), 7.0, dtype=dtype)
+        buf[rank * n:(rank + 1) * n] = mine
+        comm.wait(comm.all_gather(buf, buf[rank * n:(rank + 1) * n]))
+        ref = torch.empty(n * world, dtype=dtype)
+        dist.all_gather_into_tensor(ref, mine)
+        out[str(dtype)] = bool(torch.equal(buf.view(bits), ref.view(bits)))
+    return out

@@ -65,3 +65,9 @@ def test_randomized_accumulation_with_reduce_scatter(seed):
     for r in dist_harness.values(dist_harness.run(W.random_accumulation, 2, 2, seed, 12, None, "reduce_scatter",
                                                   timeout=240)):
         assert r["worst"]["torch.float32"] < 5e-5 and r["worst"]["torch.bfloat16"] < 1e-2, r
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_param_gather_as_a_sum_keeps_every_bit(world):
+    for r in dist_harness.values(dist_harness.run(W.gather_bits, world, timeout=120)):
+        assert r["used_sum"] and r["torch.float32"] and r["torch.bfloat16"], r

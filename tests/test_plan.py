@@ -19,9 +19,9 @@ def test_zero_paper_figure_1():
     totals = [round((s.total_bytes - s.buffers_bytes) / GB, 1) for s in p.stages]
     assert totals == [120.0, 31.4, 16.6, 1.9]
     assert p.smallest_fitting_stage == 1  # at the default 80 GB
-    # [Note: what zerokern holds]: stage 1's reduced shard (2 B * P / dp) and stage 2's four
+    # [Note: what zerokern holds]: stage 1's reduced shard (2 B * P / dp) and stage 2's five
     # buckets of 25 MiB come on top of the paper's model states
-    assert [s.buffers_bytes for s in p.stages] == [0, 2 * 7.5e9 / 64, 4 * 25 * 2**20, 0]
+    assert [s.buffers_bytes for s in p.stages] == [0, 2 * 7.5e9 / 64, 5 * 25 * 2**20, 0]
     assert p.stages[1].total_bytes == p.stages[1].params_bytes + p.stages[1].grads_bytes + 2 * 7.5e9 / 64 \
         + p.stages[1].master_bytes + p.stages[1].adam_bytes
 

@@ -17,9 +17,9 @@ def test_stage2_holds_the_reduced_shards_and_a_few_buckets(world):
             # after backward: the reduced shards (1/world of the grads) and no full buffer
             assert rnd["grads_after_backward"] == r["shard_bytes"], r
             assert abs(r["shard_bytes"] * world - r["full_bytes"]) <= 16 * 4 * world * r["buckets"], r
-            # during backward: at most IN_FLIGHT_BUCKETS reductions in flight, the bucket being filled
+            # during backward: at most IN_FLIGHT_BUCKETS reductions in flight, two buckets being filled
             # and the one the tied embedding holds open ([Note: what zerokern holds] in plan/model.py)
-            assert rnd["pool_peak"] <= (r["in_flight"] + 2) * r["bucket_bytes"], r
+            assert rnd["pool_peak"] <= (r["in_flight"] + 3) * r["bucket_bytes"], r
             assert rnd["live_peak"] <= rnd["pool_peak"] < r["full_bytes"], r
             assert rnd["placeholders"] == r["params"], r
 

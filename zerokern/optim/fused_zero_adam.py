@@ -80,7 +80,7 @@ class FusedZeroAdam(torch.optim.Optimizer):
     zerokern.OffloadPolicy()). Stage 1 shards the fp32 master weights and Adam
     state; stage 2 also the gradients: on several ranks each bucket's full
     gradient buffer is freed as soon as its reduction completes, so a rank
-    holds its reduced shards plus about 3 buckets in backward (4 with a tied embedding)
+    holds its reduced shards plus a few buckets in backward (the planner allows 5)
     ([Note: stage-2 memory] in zero/stage2_bucket.py).
 
     The params are moved into flat buckets: their .data becomes a view of a

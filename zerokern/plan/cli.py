@@ -90,7 +90,7 @@ def parser():
                     help="per-GPU data-parallel link bandwidth in bytes (100GB/s, the default) or bits "
                          "(400Gb/s, 400Gbps: a lowercase b is a bit)")
     hw.add_argument("--bucket-cap-mb", type=float, default=25.0,
-                    help="FusedZeroAdam's bucket_cap_mb (stage 2 holds up to 4 such buckets in backward)")
+                    help="FusedZeroAdam's bucket_cap_mb (stage 2 holds up to 5 such buckets in backward)")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     return ap
 
@@ -133,7 +133,7 @@ def render(p, marked=None):
     lines.append(f"comm: bytes each GPU sends per step over the data-parallel group at "
                  f"{p.dp_bandwidth_bytes_per_s / 1e9:g} GB/s (ring; 2x params for stages 0-2, 3x for stage 3)")
     lines.append("buffers: what zerokern holds beyond the ZeRO paper's figures with dp > 1: stage 1 the reduced grad "
-                 "shard (grads/dp), stage 2 up to 4 buckets of --bucket-cap-mb in backward (3, and 1 a tied embedding holds open). DeepSpeed's ZeRO-2 "
+                 "shard (grads/dp), stage 2 up to 5 buckets of --bucket-cap-mb in backward (2 in flight, 2 filling, 1 a tied embedding holds open). DeepSpeed's ZeRO-2 "
                  "estimator says 2 + 18/dp bytes/param (it keeps fp32 grads); zerokern 2 + 14/dp plus buffers")
     if p.pp > 1:
         lines.append(f"pipeline bubble: (pp-1)/(m+pp-1) = {p.pipeline_bubble:.1%} with m={p.micro_batches} micro-batches")

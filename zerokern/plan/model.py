@@ -34,13 +34,15 @@ layer and the final norm, the first the input embedding (with pp = 1, both).
 
 [Note: what zerokern holds] Beyond the ZeRO paper's figures, zerokern holds at
 stage 1 this rank's reduced gradient shard (grads/dp) next to the full local
-grads, and at stage 2 during backward up to IN_FLIGHT_BUCKETS + 1 = 3 full
-gradient buckets of bucket_cap_mb (two reductions in flight and the bucket
-being filled; zerokern/zero/stage2_bucket.py) plus one bucket that a weight
-used at both ends of the model (a tied embedding, whose grad comes first and
-last) holds open all backward, as large as that weight if it exceeds the cap
+grads, and at stage 2 during backward up to IN_FLIGHT_BUCKETS + 2 = 4 full
+gradient buckets of bucket_cap_mb (two reductions in flight, and two being
+filled: a block's grads arrive in another order than its params were
+registered, a LayerNorm registered before the attention gets its grad first;
+zerokern/zero/stage2_bucket.py) plus one bucket that a weight used at both
+ends of the model (a tied embedding, whose grad comes first and last) holds
+open all backward, as large as that weight if it exceeds the cap
 (largest_param; from_model() passes it), capped at the full grads. These are
-`buffers`. DeepSpeed's estimate_zero2_model_states_mem_needs says 2 + 18/dp
+`buffers`; bench/train_step.py measures them. DeepSpeed's estimate_zero2_model_states_mem_needs says 2 + 18/dp
 bytes per param for ZeRO-2 (16-bit params 2, then per dp rank 16-bit grads 2,
 fp32 grads 4, fp32 master 4, Adam 8) and no bucket: zerokern's stage 2 is
 2 + 14/dp plus the buckets, because its fused kernel reads the 16-bit reduced
@@ -217,7 +219,7 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
         elif dp > 1 and stage == 2:
             cap = bucket_cap_mb * 2**20
             held_open = cap if largest_param is None else max(cap, b * largest_param)
-            buffers = min(g_bytes, 3 * cap + held_open)
+            buffers = min(g_bytes, 4 * cap + held_open)
         gpu = shard(p_bytes, 3) + shard(g_bytes, 2) + buffers + (0 if off else optimizer)
         comm = (3 if stage == 3 else 2) * per_gpu * b * (dp - 1) / dp
         stages.append(StagePlan(

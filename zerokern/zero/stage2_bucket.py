@@ -9,8 +9,9 @@ accumulates over the synced backwards of a round (a round ends at step() or
 zero_grad()), and the full buffer goes back to the pool the moment the
 reduction is waited for. So after a synced backward a rank holds its reduced
 shards plus nothing else; during backward, the buckets autograd is filling
-plus at most IN_FLIGHT_BUCKETS reductions in flight (ReduceSchedule waits for
-the oldest beyond that). Under no_sync() the pending buffers stay, as FSDP2's
+(usually one or two, and one a tied embedding holds open all backward) plus at
+most IN_FLIGHT_BUCKETS reductions in flight (ReduceSchedule waits for the
+oldest beyond that); zerokern/plan counts 5 buckets for it. Under no_sync() the pending buffers stay, as FSDP2's
 unsharded grads do, and the next synced backward or step() reduces them.
 
 What .grad holds is in [Note: stage-2 .grad] (sharded_grad.py). A grad that

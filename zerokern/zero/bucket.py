@@ -121,10 +121,20 @@ class GradBucket:
     def launch(self) -> None:
         """IDLE/REDUCED -> IN_FLIGHT: members with no grad this round contribute zeros."""
         self.wait()  # a re-launch waits out the previous collective on this buffer
-        full = self.full_buffer()
         # In place (stage 0) the buffer holds averages after the first reduction, also for a
         # member this rank had no grad for: zeroing it again would drop the other ranks' part.
-        if self.sharded or not self.reduced_in_round:
+        full = self._begin_launch(zero_missing=self.sharded or not self.reduced_in_round)
+        if self.sharded:
+            self.work = self.comm.reduce_scatter(self.shard, full, name=f"reduce_scatter[{self.name}]")
+        else:
+            self.work = self.comm.all_reduce(full, name=f"all_reduce[{self.name}]")
+        self.state = BucketState.IN_FLIGHT
+
+    def _begin_launch(self, zero_missing: bool) -> torch.Tensor:
+        """The bookkeeping every launch shares; returns the full buffer to reduce. zero_missing:
+        members without a grad this round contribute zeros."""
+        full = self.full_buffer()
+        if zero_missing:
             for k, i in enumerate(self.plan.tensors):
                 if not self.got[k]:
                     s = self.layout.slots[i]
@@ -133,11 +143,7 @@ class GradBucket:
         self.ready.clear()
         self.rewritten = False
         self.note_write()
-        if self.sharded:
-            self.work = self.comm.reduce_scatter(self.shard, full, name=f"reduce_scatter[{self.name}]")
-        else:
-            self.work = self.comm.all_reduce(full, name=f"all_reduce[{self.name}]")
-        self.state = BucketState.IN_FLIGHT
+        return full
 
     def wait(self) -> None:
         """IN_FLIGHT -> REDUCED: sums become averages."""

@@ -105,16 +105,8 @@ class ReleasingGradBucket(GradBucket):
         """IDLE/REDUCED -> IN_FLIGHT: the pending grads (zeros for members without one) are reduced."""
         self.wait()
         self.on_launch(self)
-        full = self.full_buffer()
-        for k, i in enumerate(self.plan.tensors):
-            if not self.got[k]:  # a member whose grad was dropped may have left values in its slot
-                s = self.layout.slots[i]
-                full[s.offset:s.offset + s.numel].zero_()
-        self.reduced_in_round = True
-        self.ready.clear()
-        self.rewritten = False
-        self.note_write()
-        name = f"{self.name}"
+        full = self._begin_launch(zero_missing=True)  # a dropped member may have left values in its slot
+        name = self.name
         if self.comm.prefers_all_reduce:
             self._scratch = full[self._range[0]:self._range[1]]
             self.work = self.comm.all_reduce(full, name=f"all_reduce[{name}]")

@@ -9,13 +9,6 @@ import torch
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
 
-# [Note: launcher aborts] Rarely (in CI on 2026-11-30; never in 40 tries in a row here, also under
-# load) a worker of the reference run (Accelerate's DDP + torch.optim.AdamW, which does not import
-# zerokern) died with this line from libstdc++, SIGABRT and no Python traceback, under a second
-# after start (most likely a native thread torn down while joinable). Such a launch is run once
-# more; any other failure, a second abort, or a wrong result fails the test as before.
-_NATIVE_ABORT = "terminate called without an active exception"
-
 
 def _launch(cmd, env, out, timeout):
     if os.path.exists(out):
@@ -30,10 +23,6 @@ def run_script(script, world, out, args, timeout):
     # PYTHONFAULTHANDLER: a worker killed by a signal prints its Python stacks
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONFAULTHANDLER="1")
     proc = _launch(cmd, env, out, timeout)
-    if proc.returncode != 0 and _NATIVE_ABORT in proc.stderr:
-        print(f"{script} {args}: a worker aborted natively ([Note: launcher aborts]); running it again:\n"
-              f"{proc.stderr[-4000:]}", file=sys.stderr)
-        proc = _launch(cmd, env, out, timeout)
     assert proc.returncode == 0, f"{script} {args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return torch.load(out, weights_only=True)
 

@@ -8,6 +8,7 @@ import argparse
 import os
 
 import torch
+from zerokern.zero import exit_drain
 import torch.distributed.checkpoint as dcp
 from accelerate import Accelerator
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
@@ -25,6 +26,10 @@ def main():
     ap.add_argument("--ckpt", choices=["dcp", "accelerate"], default="dcp",
                     help="torch.distributed.checkpoint, or accelerator.save_state/load_state")
     args = ap.parse_args()
+    # The reference run (no zerokern optimizer) needs this too: without it a gloo worker thread can
+    # abort the process at interpreter exit after the last collective (seen once in CI on the DDP +
+    # AdamW run; [Note: exit drain] in zerokern/zero/exit_drain.py says why). It only waits at exit.
+    exit_drain.register()
     torch.set_num_threads(1)
     accelerator = Accelerator(gradient_accumulation_steps=ACCUM, cpu=True)
     world = accelerator.num_processes

@@ -7,6 +7,7 @@ import argparse
 import os
 
 import torch
+from zerokern.zero import exit_drain
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 STEPS, SAVE_AT, ACCUM, GLOBAL_BATCH, SEQ = 20, 10, 2, 8, 16
@@ -42,6 +43,10 @@ def main():
     ap.add_argument("--resume", default=None)
     ap.add_argument("--zero-stage", type=int, default=2)
     args = ap.parse_args()
+    # The reference run (no zerokern optimizer) needs this too: without it a gloo worker thread can
+    # abort the process at interpreter exit after the last collective (seen once in CI on the DDP +
+    # AdamW run; [Note: exit drain] in zerokern/zero/exit_drain.py says why). It only waits at exit.
+    exit_drain.register()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     torch.set_num_threads(1)
 

@@ -1,19 +1,27 @@
-"""How much of FusedZeroAdam's gradient reduction hides behind backward.
+"""How much of FusedZeroAdam's communication hides behind compute: the gradient
+reductions behind backward, and the all-gather of updated params behind the next forward.
 
     python bench/overlap.py                      # 2 CPU ranks (gloo), simulated 1 GB/s link
     python bench/overlap.py --world 4 --bandwidth 2GB/s --json out.json
 
-N ranks (gloo on CPUs) train a synthetic MLP with FusedZeroAdam, overlap_comm
-on and off, alternating steps (A B A B) so machine noise hits both. Each rank
-reports per step: backward time, the total time its gradient reductions take
-on the link, and the exposed part: the time the host waits for them (at the
-end of backward and in step()). The all-gather of updated params after the
-step is reported apart.
+N ranks (gloo on CPUs) train a synthetic MLP (each Linear a zerokern.shard unit)
+with FusedZeroAdam in three configurations, taking turns (A B C A B C) so
+machine noise hits all: reductions overlapped with backward and the gather
+waited for in step() ("overlap"), the same with the gather left to the next
+forward (overlap_param_gather=True, "overlap+gather"), and nothing overlapped
+("no_overlap"). Each turn runs two training iterations and measures the
+second, whose forward follows the first's step() as in a training loop. Each
+rank reports per iteration: forward and backward time, the time its
+reductions and its gathers take on the link, and the exposed part of each:
+the time the host waits for them (at the end of backward, in step(), and for
+the gathers also in the forward pre-hooks).
 
 The network is simulated, so overlap shows deterministically on one machine:
 each collective really runs (gloo), and its completion is then delayed to when
 a link of the given bandwidth and latency would have delivered it, one
 collective at a time per rank (a ring moves (world-1)/world of the buffer).
+Each configuration has its own link, and its gathers are finished before the
+next configuration's turn, so no turn carries traffic into another.
 """
 
 import argparse
@@ -29,6 +37,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import zerokern  # noqa: E402
 from zerokern import FusedZeroAdam  # noqa: E402
 from zerokern.plan.cli import parse_bytes  # noqa: E402
 
@@ -109,49 +118,63 @@ class SimComm:
         return self.inner.gather_objects(obj)
 
 
-def build(args, overlap, link):
+CONFIGS = {"overlap": (True, False), "overlap+gather": (True, True), "no_overlap": (False, False)}
+
+
+def build(args, overlap, gather, link):
     torch.manual_seed(0)
     layers = []
     for _ in range(args.layers):
         layers += [torch.nn.Linear(args.hidden, args.hidden), torch.nn.ReLU()]
     model = torch.nn.Sequential(*layers)
-    opt = FusedZeroAdam(model.parameters(), lr=1e-4, zero_stage=args.stage, overlap_comm=overlap,
-                        bucket_cap_mb=args.bucket_cap_mb)
+    for m in model:
+        if isinstance(m, torch.nn.Linear):
+            zerokern.shard(m, stage=args.stage, overlap_comm=overlap, bucket_cap_mb=args.bucket_cap_mb,
+                           overlap_param_gather=gather)
+    opt = FusedZeroAdam(model.parameters(), lr=1e-4)
     sim = SimComm(opt.comm, link)
-    for obj in [opt, opt.schedule] + opt.schedule.buckets + opt.units:  # everything that holds the Comm
+    # everything that holds the Comm
+    for obj in [opt, opt.schedule, opt.param_gather] + opt.schedule.buckets + opt.units:
         obj.comm = sim
     return model, opt, sim
+
+
+def iteration(model, opt, x):
+    t0 = time.perf_counter()
+    opt.zero_grad()
+    loss = model(x).square().mean()
+    t1 = time.perf_counter()
+    loss.backward()
+    t2 = time.perf_counter()
+    opt.step()
+    return t1 - t0, t2 - t1, time.perf_counter() - t2
 
 
 def worker(rank, world, args, store, out_path):
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     torch.set_num_threads(args.threads)
-    link = SimulatedLink(args.bandwidth, args.latency)
-    runs = {name: build(args, overlap, link) for name, overlap in (("overlap", True), ("no_overlap", False))}
+    runs = {name: build(args, overlap, gather, SimulatedLink(args.bandwidth, args.latency))
+            for name, (overlap, gather) in CONFIGS.items()}
     x = torch.randn(args.batch, args.hidden)
     stats = {name: [] for name in runs}
     for step in range(args.steps + 1):
         for name, (model, opt, sim) in runs.items():
             dist.barrier()
+            iteration(model, opt, x)  # its step() launches the gathers the measured forward meets
             before = dict(sim.wait_by_kind), dict(sim.link_time_by_kind)
-            opt.zero_grad()
-            loss = model(x).square().mean()
-            t0 = time.perf_counter()
-            loss.backward()
-            t1 = time.perf_counter()
-            opt.step()
-            t2 = time.perf_counter()
+            fwd, bwd, stp = iteration(model, opt, x)
+            after = dict(sim.wait_by_kind)  # the forward's waits are for the gathers of the turn's first step
+            opt.finish_param_gather()  # nothing carries into the next turn
             if step == 0:
                 continue  # warm-up
-            wait = {k: sim.wait_by_kind[k] - before[0][k] for k in before[0]}
+            wait = {k: after[k] - before[0][k] for k in before[0]}
             link_t = {k: sim.link_time_by_kind[k] - before[1][k] for k in before[1]}
-            stats[name].append({"backward_s": t1 - t0, "step_s": t2 - t1, "grad_comm_s": link_t["grads"],
+            stats[name].append({"forward_s": fwd, "backward_s": bwd, "step_s": stp, "grad_comm_s": link_t["grads"],
                                 "grad_exposed_s": wait["grads"], "param_comm_s": link_t["params"],
                                 "param_exposed_s": wait["params"]})
     # backward compute alone (no reductions): the budget the communication can hide behind
     compute = []
-    model = runs["overlap"][0]
-    opt = runs["overlap"][1]
+    model, opt, _ = runs["overlap"]
     for _ in range(args.steps):
         with opt.no_sync():
             loss = model(x).square().mean()
@@ -162,6 +185,7 @@ def worker(rank, world, args, store, out_path):
               "buckets": len(runs["overlap"][1].schedule.buckets)}
     for name, rows in stats.items():
         result[name] = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+        result[name]["param_exposed_max_s"] = max(r["param_exposed_s"] for r in rows)
     with open(f"{out_path}.{rank}", "w") as f:
         json.dump(result, f)
     dist.barrier()
@@ -194,13 +218,15 @@ def main(argv=None):
           f"{args.bandwidth / 1e9:g} GB/s + {args.latency * 1e6:g} us; medians over {args.steps} steps, rank 0")
     r0 = ranks[0]
     print(f"backward compute alone: {ms(r0['compute_backward_s'])} ms")
-    print(f"{'':12s} {'backward':>9s} {'grad comm':>10s} {'exposed':>9s} {'exposed %':>9s} {'param gather':>12s} "
-          f"{'step':>8s}  (ms)")
-    for name in ("overlap", "no_overlap"):
+    print(f"{'':15s} {'forward':>8s} {'backward':>9s} {'grad comm':>10s} {'exposed':>8s} {'%':>6s} "
+          f"{'param gather':>13s} {'exposed':>8s} {'%':>6s} {'step':>8s}  (ms)")
+    for name in CONFIGS:
         s = r0[name]
         pct = 100 * s["grad_exposed_s"] / s["grad_comm_s"] if s["grad_comm_s"] else 0.0
-        print(f"{name:12s} {ms(s['backward_s'])}  {ms(s['grad_comm_s'])}  {ms(s['grad_exposed_s'])}  {pct:8.1f}%"
-              f"  {ms(s['param_comm_s'])}     {ms(s['step_s'])}")
+        ppct = 100 * s["param_exposed_s"] / s["param_comm_s"] if s["param_comm_s"] else 0.0
+        print(f"{name:15s} {ms(s['forward_s'])} {ms(s['backward_s'])}  {ms(s['grad_comm_s'])}  "
+              f"{ms(s['grad_exposed_s'])} {pct:5.1f}%  {ms(s['param_comm_s'])}     {ms(s['param_exposed_s'])} "
+              f"{ppct:5.1f}% {ms(s['step_s'])}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": {k: v for k, v in vars(args).items() if k != "json"}, "ranks": ranks}, f, indent=1)

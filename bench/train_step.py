@@ -7,6 +7,8 @@ on N ranks, zerokern against its peers side by side in one run, interleaved.
 Variants (each rank builds all of them from the same initial weights and feeds
 them the same batches):
   zerokern-s1, zerokern-s2   FusedZeroAdam(zero_stage=1 / 2); bf16: bf16 params, fp32 masters
+  zerokern-s2+gather         zerokern.shard on each block and the root, stage 2, overlap_param_gather=True:
+                             step() leaves the param all-gathers to the next forward
   ddp+adamw-fused            DistributedDataParallel(gradient_as_bucket_view=True) + AdamW(fused=True);
                              bf16: fp32 params under autocast(bf16)
   zero-redundancy            DDP + torch.distributed.optim.ZeroRedundancyOptimizer(AdamW(fused=True))
@@ -15,9 +17,12 @@ them the same batches):
   deepspeed-zero2            deepspeed.initialize with ZeRO stage 2 (when deepspeed is installed)
 Every variant uses lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0.01.
 
-Timing: each round runs one step of every variant, the order rotated per round;
-a step is timed on rank 0 from a barrier before it to a barrier after it, so it
-is the slowest rank's step. Reported: median and 25th/75th percentiles. The
+Timing: each round gives every variant a turn, the order rotated per round. A
+turn runs two steps on the round's batch and times the second, on rank 0 from a
+barrier before it to a barrier after it (so it is the slowest rank's step): its
+forward meets what the first step left running, as in a training loop
+(zerokern-s2+gather's gathers; the other variants leave nothing). What the
+second step leaves running is finished, untimed, before the next turn. Reported: median and 25th/75th percentiles. The
 loss after the last round is averaged over ranks; the variants must agree (same
 data, same initial weights, same hyper-parameters).
 
@@ -106,6 +111,10 @@ class Variant:
             self.opt.zero_grad()
         self.loss = loss.detach()
 
+    def finish(self):
+        if hasattr(self.opt, "finish_param_gather"):
+            self.opt.finish_param_gather()
+
     def _measure(self):
         from zerokern import FusedZeroAdam
 
@@ -129,11 +138,16 @@ def build(kind, base, dtype, device, world, cap_mb):
     model = copy.deepcopy(base).to(device)
     bf16 = dtype == "bf16"
     if kind.startswith("zerokern"):
-        from zerokern import FusedZeroAdam
+        import zerokern
 
         if bf16:
             model = model.to(torch.bfloat16)
-        opt = FusedZeroAdam(model.parameters(), zero_stage=int(kind[-1]), bucket_cap_mb=cap_mb, **HYPER)
+        if kind == "zerokern-s2+gather":
+            for blk in model.blocks:
+                zerokern.shard(blk, stage=2, bucket_cap_mb=cap_mb, overlap_param_gather=True)
+            zerokern.shard(model, stage=2, bucket_cap_mb=cap_mb, overlap_param_gather=True)
+            return Variant(kind, model, zerokern.FusedZeroAdam(model.parameters(), **HYPER))
+        opt = zerokern.FusedZeroAdam(model.parameters(), zero_stage=int(kind[-1]), bucket_cap_mb=cap_mb, **HYPER)
         return Variant(kind, model, opt)
     if kind == "ddp+adamw-fused":
         ddp = DDP(model, gradient_as_bucket_view=True, bucket_cap_mb=cap_mb)
@@ -237,6 +251,8 @@ def worker(rank, world, init, args, out):
             for v in variants[shift:] + variants[:shift]:
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats()
+                v.step(x, y)  # leaves running what a training loop's next step meets
+                H.sync(device)
                 dist.barrier()
                 t0 = time.perf_counter()
                 v.step(x, y, measure=r == 1)
@@ -244,6 +260,7 @@ def worker(rank, world, init, args, out):
                 dist.barrier()
                 if r:  # round 0 warms up
                     times[v.name].append(time.perf_counter() - t0)
+                v.finish()  # untimed: nothing runs on into the next variant's turn
                 if device.type == "cuda" and r == 1:
                     peak[v.name] = torch.cuda.max_memory_allocated()
             if r == 0:
@@ -286,8 +303,8 @@ def main(argv=None):
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--dtypes", default="fp32,bf16")
-    ap.add_argument("--variants", default="zerokern-s1,zerokern-s2,ddp+adamw-fused,zero-redundancy,fsdp2,"
-                                          "deepspeed-zero2")
+    ap.add_argument("--variants", default="zerokern-s1,zerokern-s2,zerokern-s2+gather,ddp+adamw-fused,"
+                                          "zero-redundancy,fsdp2,deepspeed-zero2")
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--d-model", type=int, default=384)
     ap.add_argument("--heads", type=int, default=6)

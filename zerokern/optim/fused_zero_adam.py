@@ -21,6 +21,7 @@ from ..kernels.backends.registry import resolve
 from ..kernels.ops import fused_adam_
 from ..zero import checkpoint
 from ..zero.api import make_unit, unit_of
+from ..zero.param_gather import ParamGather
 from ..zero.schedule import ReduceSchedule
 from ..zero.store import ShardStore
 from .hyper import check_hyper
@@ -63,7 +64,8 @@ class FusedZeroAdam(torch.optim.Optimizer):
 
     FusedZeroAdam(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=None, *,
                   adam_w_mode=True, bias_correction=True, zero_stage=None, process_group=None,
-                  bucket_cap_mb=None, overlap_comm=None, max_grad_norm=None, backend="auto", offload=None)
+                  bucket_cap_mb=None, overlap_comm=None, max_grad_norm=None, backend="auto", offload=None,
+                  overlap_param_gather=None)
 
     Semantics are torch.optim.AdamW's (adam_w_mode=True) or Adam's on the
     gradient averaged over the data-parallel group, as under DDP: per-parameter
@@ -76,12 +78,18 @@ class FusedZeroAdam(torch.optim.Optimizer):
     given there. Other params form one unit built here with zero_stage (None:
     2 when a process group of size > 1 is in use, else 0), process_group (None:
     the default group if torch.distributed is initialized, else one process),
-    bucket_cap_mb (25), overlap_comm (True) and offload (None, or
-    zerokern.OffloadPolicy()). Stage 1 shards the fp32 master weights and Adam
-    state; stage 2 also the gradients: on several ranks each bucket's full
-    gradient buffer is freed as soon as its reduction completes, so a rank
-    holds its reduced shards plus a few buckets in backward (the planner allows 5)
-    ([Note: stage-2 memory] in zero/stage2_bucket.py).
+    bucket_cap_mb (25), overlap_comm (True), offload (None, or
+    zerokern.OffloadPolicy()) and overlap_param_gather (False). Stage 1 shards
+    the fp32 master weights and Adam state; stage 2 also the gradients: on
+    several ranks each bucket's full gradient buffer is freed as soon as its
+    reduction completes, so a rank holds its reduced shards plus a few buckets
+    in backward (the planner allows 5) ([Note: stage-2 memory] in
+    zero/stage2_bucket.py). At stages 1/2 step() all-gathers the updated params;
+    with overlap_param_gather=True (zerokern.shard() units only) it returns
+    before they arrive, and each module waits for its own params in its next
+    forward, state_dict() or load_state_dict(); code that reads params directly
+    in between (an EMA, a copy) calls opt.finish_param_gather() first
+    ([Note: gather behind forward] in zero/param_gather.py).
 
     The params are moved into flat buckets: their .data becomes a view of a
     bucket (values unchanged) and their .grad a view of a gradient bucket that
@@ -114,7 +122,7 @@ class FusedZeroAdam(torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=None, *, adam_w_mode=True,
                  bias_correction=True, zero_stage=None, process_group=None, bucket_cap_mb=None, overlap_comm=None,
-                 max_grad_norm=None, backend="auto", offload=None):
+                 max_grad_norm=None, backend="auto", offload=None, overlap_param_gather=None):
         if weight_decay is None:  # the defaults of the classes users swap out: AdamW 0.01, Adam 0
             weight_decay = 0.01 if adam_w_mode else 0.0
         check_hyper(lr, betas, eps, weight_decay)
@@ -131,8 +139,15 @@ class FusedZeroAdam(torch.optim.Optimizer):
         self._frozen = [(k, p) for k, p in enumerate(all_params) if not p.requires_grad]
         owned = list({id(u): u for u in (unit_of(p) for p in self._trainable) if u is not None}.values())
         loose = [p for p in self._trainable if unit_of(p) is None]
-        self.comm, config = sharding(owned, zero_stage, process_group, bucket_cap_mb, overlap_comm, offload)
+        self.comm, config = sharding(owned, zero_stage, process_group, bucket_cap_mb, overlap_comm, offload,
+                                     overlap_param_gather)
         self.zero_stage = config.stage
+        if config.overlap_param_gather and loose:
+            raise ValueError(
+                f"zerokern: overlap_param_gather=True, but params[{next(k for k, p in enumerate(all_params) if p is loose[0])}] is not sharded with "
+                "zerokern.shard(module): the gather is waited for in the forward pre-hooks of the modules that "
+                "own the params, so every trainable param must be in a zerokern.shard() unit (shard each block, "
+                "then the root), or leave overlap_param_gather off")
         self._check_same_on_every_rank(all_params, config)
         if self._trainable:
             resolve(backend, self._trainable[0].device)  # an unknown or unusable backend fails here
@@ -171,6 +186,12 @@ class FusedZeroAdam(torch.optim.Optimizer):
         # up with one op (torch._foreach_add_ over 0-dim CPU tensors costs ~7 us each).
         self._step_buffer = torch.zeros(len(self._trainable), dtype=torch.float32)
         self._pieces = [self._init_state(store, tindex) for store in self.stores]
+        # [Note: gather behind forward]: the next forward uses the buckets in the reverse of backward's order
+        gathered = self.comm.distributed and self.zero_stage >= 1
+        self.param_gather = ParamGather(self.comm, self.stores[::-1] if gathered else [])
+        self._overlap_gather = config.overlap_param_gather and gathered
+        if self._overlap_gather:
+            self.param_gather.hook_modules(owned)
         self._calls = [UniformCalls(store, pieces, self._group_of) for store, pieces in zip(self.stores, self._pieces)]
         self.last_grad_norm = None
         self._clip = None  # (max_norm, norm) from opt.clip_grad_norm_ for the next step
@@ -336,7 +357,7 @@ class FusedZeroAdam(torch.optim.Optimizer):
         if not skip and any(had):
             scale = self._grad_scale_with_clipping(grad_scale, had)
             self._update(had, scale)
-            self._gather_params()
+            self.param_gather.launch(wait=not self._overlap_gather)
         self.last_step_skipped = bool(skip and any(had))
         self._clip = None
         self._overflow_seen = False
@@ -351,6 +372,7 @@ class FusedZeroAdam(torch.optim.Optimizer):
         """Everything step() needs before the update: a backward that never finished is
         reset, what the model did to params and grads is adopted, the ranks agree on which
         params had grads and which buckets need reducing, and those are reduced."""
+        self.param_gather.wait_all()  # adopt() below and the update write the params
         self.schedule.reset()
         self._check_frozen()
         for u in self.units:
@@ -527,13 +549,12 @@ class FusedZeroAdam(torch.optim.Optimizer):
             self._step_buffer += torch.tensor(had, dtype=torch.float32)
             self._uniform_steps = len(set(self._steps)) <= 1
 
-    def _gather_params(self):
-        if not (self.comm.distributed and self.zero_stage >= 1):
-            return
-        works = [self.comm.all_gather(s.flat.param_bufs.buffers[s.b], s.param_shard(), name=f"all_gather[{s.bucket.name}]")
-                 for s in self.stores]
-        for w in works:
-            self.comm.wait(w)
+    def finish_param_gather(self):
+        """Wait until every param holds the last step's values on this rank. Needed only with
+        overlap_param_gather=True, before code that reads params directly after step() and
+        before the next forward (an EMA, a copy of the weights); module forwards, state_dict()
+        and load_state_dict() wait by themselves ([Note: gather behind forward])."""
+        self.param_gather.wait_all()
 
     # --- state dicts (zero/checkpoint.py) ------------------------------------
 
@@ -541,18 +562,21 @@ class FusedZeroAdam(torch.optim.Optimizer):
         """This rank's shard in torch.optim.AdamW's format: per param, views of this rank's
         slice (flattened) of "exp_avg", "exp_avg_sq" (and "master_param" for fp16/bf16
         params), "step"; every param-group key; and under "zerokern" where the slices lie."""
+        self.param_gather.wait_all()
         return checkpoint.shard_state_dict(self)
 
     def full_state_dict(self):
         """Collective (call on every rank): the whole state in torch.optim.AdamW's
         format on rank 0 (plus the fp32 master weights under "zerokern_master"),
         None on the other ranks."""
+        self.param_gather.wait_all()
         return checkpoint.full_state_dict(self)
 
     def load_state_dict(self, state_dict):
         """A shard saved by this rank at this world size and layout, or a full
         state dict (from full_state_dict() at any world size, or from
         torch.optim.AdamW for the same params), re-sharded to this world size."""
+        self.param_gather.wait_all()
         checkpoint.load_state_dict(self, state_dict)
 
     # --- the rest of the Optimizer API -------------------------------------

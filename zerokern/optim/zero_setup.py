@@ -7,7 +7,7 @@ from ..zero.comm import Comm
 from ..zero.unit import ShardConfig
 
 
-def sharding(units, zero_stage, process_group, bucket_cap_mb, overlap_comm, offload):
+def sharding(units, zero_stage, process_group, bucket_cap_mb, overlap_comm, offload, overlap_param_gather):
     """(Comm, ShardConfig) for the params: the units' own, or one from the arguments."""
     if units:
         configs = {u.config for u in units}
@@ -17,7 +17,8 @@ def sharding(units, zero_stage, process_group, bucket_cap_mb, overlap_comm, offl
                              + "; ".join(f"{u.name}: {u.config}" for u in units))
         config = units[0].config
         given = {"zero_stage": (zero_stage, config.stage), "bucket_cap_mb": (bucket_cap_mb, config.bucket_cap_mb),
-                 "overlap_comm": (overlap_comm, config.overlap_comm), "offload": (offload, config.offload)}
+                 "overlap_comm": (overlap_comm, config.overlap_comm), "offload": (offload, config.offload),
+                 "overlap_param_gather": (overlap_param_gather, config.overlap_param_gather)}
         for name, (mine, theirs) in given.items():
             if mine is not None and mine != theirs:
                 raise ValueError(f"zerokern: FusedZeroAdam({name}={mine!r}), but zerokern.shard() set {theirs!r} "
@@ -33,7 +34,8 @@ def sharding(units, zero_stage, process_group, bucket_cap_mb, overlap_comm, offl
     comm = Comm(process_group)
     stage = zero_stage if zero_stage is not None else (2 if comm.world_size > 1 else 0)
     return comm, ShardConfig(stage, 25.0 if bucket_cap_mb is None else bucket_cap_mb,
-                             True if overlap_comm is None else overlap_comm, offload)
+                             True if overlap_comm is None else overlap_comm, offload,
+                             overlap_param_gather=False if overlap_param_gather is None else overlap_param_gather)
 
 
 def validated_groups(params):

@@ -68,20 +68,27 @@ def _forward_pre_hook(module, args):
     for owner, attr, p in unit.module_slots:
         q = owner._parameters.get(attr)
         if q is not p:
+            opt = unit.schedule.owner() if unit.schedule is not None and unit.schedule.owner is not None else None
+            if opt is not None:
+                opt.finish_param_gather()  # p is written next ([Note: gather behind forward])
             unit.adopt_replacement(owner, attr, p, q)
 
 
 def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket_cap_mb: float = 25.0,
-          overlap_comm: bool = True, offload: Optional[OffloadPolicy] = None) -> torch.nn.Module:
+          overlap_comm: bool = True, offload: Optional[OffloadPolicy] = None,
+          overlap_param_gather: bool = False) -> torch.nn.Module:
     """Make `module` a unit: its trainable params not owned by a unit inside it are
     flattened into buckets that one FusedZeroAdam (built later over the params)
     reduces, updates and gathers. Call it on each block, then on the root. Returns
-    `module` (the same object)."""
+    `module` (the same object). overlap_param_gather: step() returns before the updated params
+    are gathered; each module waits for its own in its next forward or state_dict() (code that
+    reads params directly in between calls opt.finish_param_gather() first; [Note: gather behind
+    forward] in zero/param_gather.py)."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"shard() takes an nn.Module, got {type(module).__name__}")
     if isinstance(module, ZeroModule):
         raise ValueError(f"{type(module).__name__} is already sharded (zerokern.shard was called on it)")
-    config = ShardConfig(stage, bucket_cap_mb, overlap_comm, offload)
+    config = ShardConfig(stage, bucket_cap_mb, overlap_comm, offload, overlap_param_gather=overlap_param_gather)
     params, names, runs, run, last_owned = [], [], [], 0, False
     seen: Dict[int, bool] = {}
     for name, p in module.named_parameters(remove_duplicate=True):
@@ -111,6 +118,8 @@ def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket
         if p.requires_grad:
             prefix, _, attr = n.rpartition(".")
             unit.module_slots.append((module.get_submodule(prefix), attr, p))
+    unit.param_owners = [(module.get_submodule(n.rpartition(".")[0]), p)
+                         for n, p in module.named_parameters(remove_duplicate=False) if unit.locate(p) is not None]
     module._zerokern_unit = unit
     module.register_forward_pre_hook(_forward_pre_hook)
     cls = module.__class__

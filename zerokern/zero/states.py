@@ -20,3 +20,10 @@ class BackwardState(enum.Enum):
     IDLE = "idle"  # no synced backward has fired a hook since the last step/zero_grad/reset
     RUNNING = "running"  # hooks fired; the end-of-backward callback is queued (it may never run)
     FINISHED = "finished"  # the callback ran: every bucket was launched, in the global order
+
+
+class GatherState(enum.Enum):
+    """Where one bucket's params stand after an update (ParamGather owns it)."""
+
+    CURRENT = "current"  # every rank's slice holds the last update's values
+    GATHERING = "gathering"  # the all-gather runs: only this rank's slice is current; nothing may read or write

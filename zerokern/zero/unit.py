@@ -59,6 +59,7 @@ class ShardConfig:
     overlap_comm: bool = True
     offload: Optional[OffloadPolicy] = None
     align: int = 16
+    overlap_param_gather: bool = False  # [Note: gather behind forward] in param_gather.py
 
     def __post_init__(self):
         if self.stage == 3:
@@ -71,6 +72,8 @@ class ShardConfig:
             raise ValueError(f"bucket_cap_mb must be > 0 and finite, got {self.bucket_cap_mb}")
         if not isinstance(self.overlap_comm, bool):
             raise TypeError(f"overlap_comm must be True or False, got {self.overlap_comm!r}")
+        if not isinstance(self.overlap_param_gather, bool):
+            raise TypeError(f"overlap_param_gather must be True or False, got {self.overlap_param_gather!r}")
         if self.offload is not None and not isinstance(self.offload, OffloadPolicy):
             raise TypeError(f"offload must be None or a zerokern.OffloadPolicy, got {type(self.offload).__name__}")
 
@@ -227,6 +230,7 @@ class ShardUnit:
         self.comm, self.config, self.name = comm, config, name
         self.schedule = None  # the ReduceSchedule of the optimizer that owns this unit, once one does
         self.module_slots = []  # (module, attribute, param): set by zerokern.shard to follow the module
+        self.param_owners = []  # (module, param) for every module holding a param, tied ones each time
         self.sync = True  # False: backward accumulates locally (no_sync / set_requires_gradient_sync(False))
         self.flat: List[FlatParams] = []
         trainable = [k for k, p in enumerate(params) if p.requires_grad]

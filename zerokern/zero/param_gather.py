@@ -1,0 +1,88 @@
+"""ParamGather: the all-gathers that bring every rank the params the others updated, and the
+points that wait for them. The one place that says whether a bucket's params are current
+(GatherState).
+
+[Note: gather behind forward] After the update each rank holds new values for its own slice of
+each bucket only; one all-gather per bucket brings the rest. By default step() waits for them
+all. With overlap_param_gather=True (zerokern.shard units only) step() launches them, in the
+order the next forward uses the buckets, and returns. A bucket's gather is waited for just
+before the first module that owns one of its params runs (a forward pre-hook on each such
+module), so the forward overlaps the gathers still running, as FSDP2's prefetch and Megatron's
+overlap_param_gather do. Everything that reads or writes params through an API waits first:
+state_dict() and load_state_dict() of any module that owns a sharded param (so DCP, Accelerate's
+and Trainer's saves), and the optimizer's step(), state_dict(), load_state_dict() and
+full_state_dict(). A direct read of a param between step() and the next forward (an EMA update,
+a copy, evaluation that calls no module) is invisible to all of these: it must call
+opt.finish_param_gather() first. That contract is why the overlap is opt-in.
+"""
+
+import weakref
+from typing import Dict, List
+
+from .states import GatherState
+
+
+class ParamGather:
+    def __init__(self, comm, stores):
+        """stores: the ShardStores in the order the next forward uses them (the reverse of backward's);
+        none where nothing is gathered (one rank, or stage 0)."""
+        self.comm = comm
+        self.stores = stores
+        self.state = [GatherState.CURRENT] * len(stores)
+        self._works = [None] * len(stores)
+        self._pending = 0  # buckets in GATHERING: 0 makes every hook return at once
+
+    @property
+    def pending(self) -> bool:
+        return self._pending > 0
+
+    def launch(self, wait: bool) -> None:
+        """After an update: gather every bucket (in forward order); wait for all unless `wait` is False."""
+        self.wait_all()  # a gather still running from the last step shares the buffers
+        for k, s in enumerate(self.stores):
+            buf = s.flat.param_bufs.buffers[s.b]
+            self._works[k] = self.comm.all_gather(buf, s.param_shard(), name=f"all_gather[{s.bucket.name}]")
+            self.state[k] = GatherState.GATHERING
+        self._pending = len(self.stores)
+        if wait:
+            self.wait_all()
+
+    def wait(self, ks) -> None:
+        """GATHERING -> CURRENT for these buckets (by index into stores)."""
+        for k in ks:
+            if self.state[k] is GatherState.GATHERING:
+                self.comm.wait(self._works[k])
+                self._works[k] = None
+                self.state[k] = GatherState.CURRENT
+                self._pending -= 1
+
+    def wait_all(self) -> None:
+        if self._pending:
+            self.wait(range(len(self.stores)))
+
+    # --- module hooks ----------------------------------------------------------
+
+    def hook_modules(self, units) -> None:
+        """Forward, state_dict and load_state_dict pre-hooks on every module that owns a param of
+        these units (zerokern.shard recorded them), each waiting for the buckets of its own params."""
+        index = {(id(s.flat), s.b): k for k, s in enumerate(self.stores)}
+        by_module: Dict[int, List] = {}
+        for u in units:
+            for owner, _, p in u.module_slots:
+                f, i = u.locate(p)
+                k = index[(id(f), f.layout.slots[i].bucket)]
+                entry = by_module.setdefault(id(owner), [owner, set()])
+                entry[1].add(k)
+        me = weakref.ref(self)  # the hooks outlive an optimizer that is dropped; its state must not
+        for owner, ks in by_module.values():
+            ks = sorted(ks)
+
+            def wait_mine(*_, ks=ks):
+                gather = me()
+                if gather is not None and gather._pending:
+                    gather.wait(ks)
+
+            # a unit belongs to one optimizer for good (FusedZeroAdam checks), so these stay
+            owner.register_forward_pre_hook(wait_mine)
+            owner.register_state_dict_pre_hook(wait_mine)
+            owner.register_load_state_dict_pre_hook(wait_mine)

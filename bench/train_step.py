@@ -209,8 +209,8 @@ def collectives(rank, world, numel, rounds):
     fns = {"all_reduce": lambda: dist.all_reduce(full),
            "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full[:shard.numel() * world]),
            "all_gather": lambda: dist.all_gather_into_tensor(full[:shard.numel() * world], shard),
-           # what zerokern does on gloo ([Note: gather as a sum] in zerokern/zero/comm.py)
-           "all_gather_as_int32_all_reduce": lambda: comm.wait(comm.all_gather(gathered, gathered[own]))}
+           # what zerokern does on gloo ([Note: gather as broadcasts] in zerokern/zero/comm.py)
+           "all_gather_as_broadcasts": lambda: comm.wait(comm.all_gather(gathered, gathered[own]))}
     times = {k: [] for k in fns}
     for r in range(rounds + 1):
         for k in fns:

@@ -149,14 +149,15 @@ def placeholder_behaviour(rank, world):
 
 
 def gather_bits(rank, world):
-    """Comm.all_gather of a param buffer's own slice ([Note: gather as a sum] on gloo) against
+    """Comm.all_gather of a param buffer's own slice ([Note: gather as broadcasts] on gloo) against
     torch's all_gather_into_tensor, bit for bit: -0.0, NaN payloads, infs, subnormals, randoms."""
     import torch.distributed as dist
 
     from zerokern.zero.comm import Comm
 
     comm = Comm()
-    out = {"used_sum": comm.prefers_all_reduce}
+    probe = torch.empty(4 * world)
+    out = {"by_broadcast": comm._gathers_by_broadcast(probe, probe[4 * rank:4 * (rank + 1)])}
     for dtype, bits in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16)):
         n = 48
         g = torch.Generator().manual_seed(rank)

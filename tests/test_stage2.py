@@ -68,6 +68,6 @@ def test_randomized_accumulation_with_reduce_scatter(seed):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_param_gather_as_a_sum_keeps_every_bit(world):
+def test_param_gather_as_broadcasts_keeps_every_bit(world):
     for r in dist_harness.values(dist_harness.run(W.gather_bits, world, timeout=120)):
-        assert r["used_sum"] and r["torch.float32"] and r["torch.bfloat16"], r
+        assert r["by_broadcast"] and r["torch.float32"] and r["torch.bfloat16"], r

@@ -209,8 +209,10 @@ def collectives(rank, world, numel, rounds):
     fns = {"all_reduce": lambda: dist.all_reduce(full),
            "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full[:shard.numel() * world]),
            "all_gather": lambda: dist.all_gather_into_tensor(full[:shard.numel() * world], shard),
-           # what zerokern does on gloo ([Note: gather as broadcasts] in zerokern/zero/comm.py)
-           "all_gather_as_broadcasts": lambda: comm.wait(comm.all_gather(gathered, gathered[own]))}
+           # what zerokern does on gloo ([Note: the collective for the backend] in zerokern/zero/comm.py)
+           "all_gather_as_broadcasts": lambda: comm.wait(comm.all_gather(gathered, gathered[own])),
+           "reduce_scatter_as_exchange" if world == 2 else "reduce_scatter_zerokern":
+               lambda: comm.wait(comm.reduce_scatter(shard, full[:shard.numel() * world]))}
     times = {k: [] for k in fns}
     for r in range(rounds + 1):
         for k in fns:

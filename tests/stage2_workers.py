@@ -82,8 +82,9 @@ def random_accumulation(rank, world, stage, seed, steps=12, ops=None, collective
         plan.append(micro)
     model, ref = RandomNet(seed), RandomNet(seed)
     opt = FusedZeroAdam(model.parameters(), lr=1e-2, weight_decay=0.01, zero_stage=stage, bucket_cap_mb=cap)
-    if collective is not None:  # gloo picks all_reduce; NCCL's path (reduce_scatter) is tested here too
+    if collective is not None:  # gloo picks its fastest; NCCL's path (reduce_scatter) is tested here too
         opt.comm.prefers_all_reduce = collective == "all_reduce"
+        opt.comm.exchange_reduce = collective == "exchange"
     for micro in plan:
         opt.zero_grad()
         for synced, used, xs, op, layer, vs in micro:
@@ -172,4 +173,26 @@ def gather_bits(rank, world):
         ref = torch.empty(n * world, dtype=dtype)
         dist.all_gather_into_tensor(ref, mine)
         out[str(dtype)] = bool(torch.equal(buf.view(bits), ref.view(bits)))
+    return out
+
+
+def exchange_bits(rank, world):
+    """Comm.reduce_scatter on 2 gloo ranks ([Note: reduce-scatter as an exchange]) against torch's
+    reduce_scatter_tensor, bit for bit, with the input left as it was."""
+    import torch.distributed as dist
+
+    from zerokern.zero.comm import Comm
+
+    comm = Comm()
+    out = {"exchanged": comm.exchange_reduce, "input_kept": True}
+    for dtype in (torch.float32, torch.bfloat16):
+        g = torch.Generator().manual_seed(rank)
+        full = (torch.randn(64 * world, generator=g) * 10 ** torch.randint(-3, 4, (64 * world,), generator=g)).to(dtype)
+        before = full.clone()
+        mine = torch.empty(64, dtype=dtype)
+        comm.wait(comm.reduce_scatter(mine, full))
+        ref = torch.empty(64, dtype=dtype)
+        dist.reduce_scatter_tensor(ref, before.clone())
+        out[str(dtype)] = bool(torch.equal(mine, ref))
+        out["input_kept"] = out["input_kept"] and bool(torch.equal(full, before))
     return out

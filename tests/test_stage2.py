@@ -60,9 +60,11 @@ def test_randomized_accumulation_on_four_ranks():
 
 
 @pytest.mark.parametrize("seed", [4, 5])
-def test_randomized_accumulation_with_reduce_scatter(seed):
-    """The reduce-scatter path ([Note: the collective for the backend]: NCCL's), forced on gloo."""
-    for r in dist_harness.values(dist_harness.run(W.random_accumulation, 2, 2, seed, 12, None, "reduce_scatter",
+@pytest.mark.parametrize("collective", ["reduce_scatter", "all_reduce"])
+def test_randomized_accumulation_with_other_collectives(collective, seed):
+    """The paths gloo does not take on 2 ranks ([Note: the collective for the backend]), forced:
+    torch's reduce-scatter (NCCL's) and the all-reduce (gloo's on more ranks)."""
+    for r in dist_harness.values(dist_harness.run(W.random_accumulation, 2, 2, seed, 12, None, collective,
                                                   timeout=240)):
         assert r["worst"]["torch.float32"] < 5e-5 and r["worst"]["torch.bfloat16"] < 1e-2, r
 
@@ -71,3 +73,8 @@ def test_randomized_accumulation_with_reduce_scatter(seed):
 def test_param_gather_as_broadcasts_keeps_every_bit(world):
     for r in dist_harness.values(dist_harness.run(W.gather_bits, world, timeout=120)):
         assert r["by_broadcast"] and r["torch.float32"] and r["torch.bfloat16"], r
+
+
+def test_reduce_scatter_as_an_exchange_gives_torchs_bits():
+    for r in dist_harness.values(dist_harness.run(W.exchange_bits, 2, timeout=120)):
+        assert r["exchanged"] and r["torch.float32"] and r["torch.bfloat16"] and r["input_kept"], r

@@ -13,6 +13,7 @@ stream is the "side stream" that overlaps reductions with the rest of
 backward. On CPUs, gloo runs them on its own threads and wait() blocks.
 """
 
+import itertools
 import time
 from contextlib import nullcontext
 
@@ -51,6 +52,26 @@ class _AllOf:
         return all(w.is_completed() for w in self.works)
 
 
+class _SumOnWait:
+    """The exchange of a 2-rank reduce-scatter: when it is waited for, this rank's own part is
+    added to the peer's part that arrived in `output`."""
+
+    def __init__(self, works, output, own):
+        self.works, self.output, self.own = works, output, own
+
+    def wait(self):
+        for w in self.works:
+            w.wait()
+        self.output.add_(self.own)
+        self.works = []
+        return True
+
+
+# p2p tags: every rank issues the same collectives in the same order ([Note: one collective
+# order]), so this process-wide counter gives both sides of an exchange the same tag.
+_TAGS = itertools.count()
+
+
 class Comm:
     def __init__(self, process_group=None):
         if process_group is None and dist.is_available() and dist.is_initialized():
@@ -59,11 +80,17 @@ class Comm:
         self.world_size = dist.get_world_size(process_group) if process_group is not None else 1
         self.rank = dist.get_rank(process_group) if process_group is not None else 0
         self.wait_seconds = 0.0  # host time spent waiting on collectives (bench/overlap.py reads it)
-        # [Note: the collective for the backend] gloo's reduce-scatter is slower than its all-reduce of
-        # the same buffer (88 ms vs 38 ms for 17M floats on 2 ranks, bench/train_step.py --collectives);
-        # NCCL's moves half the bytes. Where the input is scratch, gloo gets an all-reduce; its
-        # all-gathers become one broadcast per rank ([Note: gather as broadcasts]).
-        self.prefers_all_reduce = self.distributed and dist.get_backend(process_group) == "gloo"
+        # [Note: the collective for the backend] per backend, the fastest way to move the same
+        # bytes (17M floats, 2 gloo ranks, bench/train_step.py --collectives): gloo's reduce-scatter
+        # takes 97 ms and its all-reduce 60 ms, so on more than 2 ranks a stage-2 bucket (whose input
+        # is scratch) is all-reduced; on 2 ranks every reduce-scatter is an exchange of halves, 38 ms
+        # ([Note: reduce-scatter as an exchange]; tests set exchange_reduce False to force torch's).
+        # gloo's all-gathers become one broadcast per rank ([Note: gather as broadcasts]). NCCL keeps
+        # reduce-scatter and all-gather, which move the fewest bytes.
+        gloo = self.distributed and dist.get_backend(process_group) == "gloo"
+        self.exchange_reduce = gloo and self.world_size == 2
+        self.prefers_all_reduce = gloo and not self.exchange_reduce
+        self.broadcast_gather = gloo
         if self.distributed:
             exit_drain.register()  # [Note: exit drain]
 
@@ -87,7 +114,22 @@ class Comm:
                 output.copy_(input)
             return _Done()
         with self._label(name):
+            if self.exchange_reduce and output.is_contiguous():
+                return self._exchange(output, input)
             return _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+    def _exchange(self, output, input):
+        """[Note: reduce-scatter as an exchange] On 2 gloo ranks, reduce_scatter_tensor takes 97 ms
+        for 17M floats and all_reduce 60 ms, but sending the peer its half and receiving ours
+        (then one add) 38 ms (bench/train_step.py --collectives): each rank moves half the
+        buffer once, the fewest bytes any reduce-scatter moves. The input is only read. The sum
+        of two values does not depend on their order, so both ranks' results are what an
+        all-reduce would give."""
+        n, peer = output.numel(), 1 - self.rank
+        tag = next(_TAGS) % (1 << 30)
+        works = [dist.isend(input[peer * n:(peer + 1) * n], self._global_rank(peer), group=self.group, tag=tag),
+                 dist.irecv(output, self._global_rank(peer), group=self.group, tag=tag)]
+        return _SumOnWait(works, output, input[self.rank * n:(self.rank + 1) * n])
 
     def all_reduce(self, tensor, op=dist.ReduceOp.SUM, name="all_reduce"):
         if not self.distributed:
@@ -113,7 +155,7 @@ class Comm:
         rank's own slice of `output` (the param buffers after the update), gloo gathers that way;
         a broadcast copies bytes, so the result is exact. NCCL keeps its all-gather."""
         n = input.numel()
-        return (self.prefers_all_reduce and output.numel() == n * self.world_size and output.is_contiguous()
+        return (self.broadcast_gather and output.numel() == n * self.world_size and output.is_contiguous()
                 and input.data_ptr() == output.data_ptr() + self.rank * n * output.element_size())
 
     def _global_rank(self, group_rank):

@@ -27,8 +27,10 @@ only when a rank's own backward reaches the param.
 [Note: the collective for the backend] The pending buffer is scratch once it
 is launched, so the bucket may reduce it with whichever collective the
 backend does best (Comm.prefers_all_reduce): an in-place all-reduce followed
-by reading this rank's range (gloo, whose reduce-scatter is slower than its
-all-reduce), or a reduce-scatter (NCCL, half the bytes).
+by reading this rank's range (gloo on more than 2 ranks, whose reduce-scatter
+is slower than its all-reduce), or a reduce-scatter (NCCL, half the bytes;
+on 2 gloo ranks an exchange of halves, [Note: reduce-scatter as an exchange]
+in comm.py).
 """
 
 import torch

@@ -5,6 +5,8 @@ import sys
 
 import torch
 
+from numerics import abs_diff
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -105,5 +107,5 @@ def checkpoint_resume(rank, world, tmp, stage, dtype):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         sd = get_fp32_state_dict_from_zero_checkpoint(tmp, tag="t3")
-        fp32_diff = max((sd[k].float() - trained[k]).abs().max().item() for k in sd)
+        fp32_diff = max(abs_diff(sd[k], trained[k]) for k in sd)
     return {"straight": straight, "resumed": resumed, "fp32_diff": fp32_diff}

@@ -7,6 +7,8 @@ import sys
 
 import torch
 
+from numerics import abs_diff
+
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
 
 
@@ -29,4 +31,4 @@ def run_script(script, world, out, args, timeout):
 
 def max_diff(a, b):
     """Largest difference between two {name: tensor} dicts."""
-    return max((a[n] - b[n]).abs().max().item() for n in a)
+    return max(abs_diff(a[n], b[n]) for n in a)

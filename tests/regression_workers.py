@@ -8,6 +8,7 @@ import torch.nn as nn
 
 from runtime_workers import gpt, gpt_loss, max_diff, mine, reference_step, tokens
 from zerokern import FusedZeroAdam
+from numerics import abs_diff
 
 
 class TwoPaths(nn.Module):
@@ -167,5 +168,5 @@ def random_unused_dtypes_buckets(rank, world, seed, steps=20):
                        lambda r: used[t][r] and ref(xs[t][r], used[t][r]).backward(), world)
     worst = {str(dt): 0.0 for dt in (torch.float32, torch.bfloat16)}
     for a, b in zip(model.parameters(), ref.parameters()):
-        worst[str(a.dtype)] = max(worst[str(a.dtype)], (a.float() - b.float()).abs().max().item())
+        worst[str(a.dtype)] = max(worst[str(a.dtype)], abs_diff(a, b))
     return {"worst": worst, "stage": stage, "cap": cap}

@@ -13,6 +13,7 @@ import torch.nn as nn
 
 import zerokern
 from zerokern import FusedZeroAdam
+from numerics import abs_diff
 
 VOCAB, D, CTX, BATCH = 29, 24, 6, 8
 
@@ -64,8 +65,7 @@ def mine(seq, rank, world):
 
 
 def max_diff(a, b):
-    return max((x.detach().float() - y.detach().float()).abs().max().item()
-               for x, y in zip(a.parameters(), b.parameters()))
+    return max(abs_diff(x, y) for x, y in zip(a.parameters(), b.parameters()))
 
 
 def reference_step(ref, masters, ref_opt, backward_on_rank, world):

@@ -1,6 +1,7 @@
 """Workers for tests/test_stage2.py (run on gloo ranks by dist_harness)."""
 
 import contextlib
+import math
 
 import torch
 
@@ -9,6 +10,7 @@ from runtime_workers import gpt, gpt_loss, mine, reference_step, tokens
 from zerokern import FusedZeroAdam
 from zerokern.zero.sharded_grad import ShardedGrad
 from zerokern.zero.stage2_bucket import IN_FLIGHT_BUCKETS
+from numerics import abs_diff
 
 
 def held_grad_memory(rank, world, stage, cap_mb):
@@ -59,6 +61,20 @@ def _apply(op, model, layer, value_seed):
             p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
 
 
+def poison_pool(opt):
+    """Pooled grad buffers handed out unzeroed come filled with NaN, so a slot that is read
+    before it is written ([Note: zeroing on demand]) shows in the results."""
+    pool = opt.schedule.pool
+    acquire = pool.acquire
+
+    def poisoned(numel, dtype, device, zero=True):
+        buf = acquire(numel, dtype, device, zero)
+        if not zero:
+            buf.fill_(float("nan"))
+        return buf
+    pool.acquire = poisoned
+
+
 def random_accumulation(rank, world, stage, seed, steps=12, ops=None, collective=None):
     """Each step: 1-3 micro-batches, each synced or under no_sync(), each rank using a random subset
     of layers; between them, on every rank alike, a layer's grads dropped (.grad = None), zeroed
@@ -82,9 +98,11 @@ def random_accumulation(rank, world, stage, seed, steps=12, ops=None, collective
         plan.append(micro)
     model, ref = RandomNet(seed), RandomNet(seed)
     opt = FusedZeroAdam(model.parameters(), lr=1e-2, weight_decay=0.01, zero_stage=stage, bucket_cap_mb=cap)
+    poison_pool(opt)
     if collective is not None:  # gloo picks its fastest; NCCL's path (reduce_scatter) is tested here too
         opt.comm.prefers_all_reduce = collective == "all_reduce"
         opt.comm.exchange_reduce = collective == "exchange"
+    norms = []
     for micro in plan:
         opt.zero_grad()
         for synced, used, xs, op, layer, vs in micro:
@@ -94,6 +112,8 @@ def random_accumulation(rank, world, stage, seed, steps=12, ops=None, collective
                 elif synced:  # a synced backward must run on every rank: use no layer's output
                     (model.layers[0].weight.sum() * 0).backward()
             _apply(op, model, layer, vs)
+        # the norm reads the whole reduced shards, padding included ([Note: zeroing on demand])
+        norms.append(float(opt.clip_grad_norm_(float("inf"))))
         opt.step()
     masters = [p.detach().float().clone() for p in ref.parameters()]
     ref_opt = torch.optim.AdamW([m.requires_grad_() for m in masters], lr=1e-2, weight_decay=0.01)
@@ -108,8 +128,8 @@ def random_accumulation(rank, world, stage, seed, steps=12, ops=None, collective
         reference_step(ref, masters, ref_opt, on_rank, world)
     worst = {str(dt): 0.0 for dt in (torch.float32, torch.bfloat16)}
     for a, b in zip(model.parameters(), ref.parameters()):
-        worst[str(a.dtype)] = max(worst[str(a.dtype)], (a.float() - b.float()).abs().max().item())
-    return {"worst": worst, "cap": cap}
+        worst[str(a.dtype)] = max(worst[str(a.dtype)], abs_diff(a, b))
+    return {"worst": worst, "cap": cap, "norms_finite": all(math.isfinite(n) for n in norms)}
 
 
 def placeholder_behaviour(rank, world):

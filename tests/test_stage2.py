@@ -57,6 +57,7 @@ def test_randomized_accumulation_with_grad_operations_matches_torch(stage, seed)
 def test_randomized_accumulation_on_four_ranks():
     for r in dist_harness.values(dist_harness.run(W.random_accumulation, 4, 2, 5, timeout=300)):
         assert r["worst"]["torch.float32"] < 5e-5 and r["worst"]["torch.bfloat16"] < 1e-2, r
+        assert r["norms_finite"], r
 
 
 @pytest.mark.parametrize("seed", [4, 5])
@@ -67,6 +68,7 @@ def test_randomized_accumulation_with_other_collectives(collective, seed):
     for r in dist_harness.values(dist_harness.run(W.random_accumulation, 2, 2, seed, 12, None, collective,
                                                   timeout=240)):
         assert r["worst"]["torch.float32"] < 5e-5 and r["worst"]["torch.bfloat16"] < 1e-2, r
+        assert r["norms_finite"], r
 
 
 @pytest.mark.parametrize("world", [2, 3])

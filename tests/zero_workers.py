@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from zerokern import FusedZeroAdam
+from numerics import abs_diff
 
 BATCH, DIN, DHID, DOUT = 24, 13, 37, 7  # odd sizes: numel not divisible by the world size
 
@@ -60,7 +61,7 @@ def train_sharded(rank, world, dtype, stage, overlap, bucket_cap_mb, steps, adam
         loss_fn(model, x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]).backward()
         opt.step()
     ref = reference(dtype, steps, adam_w=adam_w, device=device)
-    diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+    diff = max(abs_diff(a, b) for a, b in zip(model.parameters(), ref.parameters()))
     scale = max(b.float().abs().max().item() for b in ref.parameters())
     flat = opt.units[0].flat[0]
     return {"diff": diff, "scale": scale, "buckets": len(flat.layout.buckets),
@@ -93,7 +94,7 @@ def no_sync_equals_big_batch(rank, world):
     for b, bucket in enumerate(f.layout.buckets):
         full = flatten([ref_grads[i] for i in bucket.tensors], offsets=f.layout.offsets(b), numel=bucket.padded_numel)
         start, end = f.layout.rank_range(f.rank, b)
-        worst = max(worst, (f.buckets[b].reduced_grad() - full[start:end]).abs().max().item())
+        worst = max(worst, abs_diff(f.buckets[b].reduced_grad(), full[start:end]))
     opt.step()
     return worst
 
@@ -139,7 +140,7 @@ def unused_params(rank, world):
     return {
         "unused_unchanged": all(torch.equal(a, b) for a, b in zip(model.unused.parameters(),
                                                                    before.unused.parameters())),
-        "diff": max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters())),
+        "diff": max(abs_diff(a, b) for a, b in zip(model.parameters(), ref.parameters())),
     }
 
 
@@ -233,8 +234,7 @@ def checkpoint_resume(rank, world, path, steps_before, steps_after):
         opt.load_state_dict(torch.load(f"{path}.rank{(rank + 1) % world}", weights_only=True))
     except ValueError as e:
         refused = str(e)
-    return {"diff": max((a.float() - b.float()).abs().max().item() for a, b in zip(model.parameters(),
-                                                                                ref.parameters())),
+    return {"diff": max(abs_diff(a, b) for a, b in zip(model.parameters(), ref.parameters())),
             "refused": refused}
 
 

@@ -74,6 +74,10 @@ class GradBucket:
         s = self.layout.slots[index]
         return self.full_buffer()[s.offset:s.offset + s.numel].view(shape)
 
+    def view_for_overwrite(self, index: int, shape) -> torch.Tensor:
+        """As view(), for a caller that writes the whole slot before anything reads it."""
+        return self.view(index, shape)
+
     def is_view(self, index: int, grad: Optional[torch.Tensor], shape) -> bool:
         full = self.full
         if grad is None or full is None or grad.shape != shape or isinstance(grad, ShardedGrad):

@@ -27,9 +27,9 @@ class GradBufferPool:
         self.in_use_bytes = 0
         self.peak_bytes = 0  # of held_bytes, since reset_peak()
 
-    def acquire(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A buffer of at least `numel` elements, its first `numel` zeroed (give the same tensor
-        back to release()). Reuses the smallest free buffer that is large enough: buckets are
+    def acquire(self, numel: int, dtype: torch.dtype, device: torch.device, zero: bool = True) -> torch.Tensor:
+        """A buffer of at least `numel` elements, its first `numel` zeroed unless `zero` is False
+        (give the same tensor back to release()). Reuses the smallest free buffer that is large enough: buckets are
         mostly of one size (bucket_cap_mb); a larger one (a param over the cap) gets its own."""
         free = self._free[(dtype, torch.device(device))]
         fits = [b for b in free if b.numel() >= numel]
@@ -41,7 +41,8 @@ class GradBufferPool:
             self.held_bytes += buf.numel() * buf.element_size()
             self.peak_bytes = max(self.peak_bytes, self.held_bytes)
         self.in_use_bytes += buf.numel() * buf.element_size()
-        buf[:numel].zero_()
+        if zero:
+            buf[:numel].zero_()
         return buf
 
     def release(self, buf: torch.Tensor) -> None:

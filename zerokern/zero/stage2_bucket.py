@@ -53,6 +53,10 @@ class ReleasingGradBucket(GradBucket):
         self._scratch = None  # where the running reduction leaves its result, if not in self.shard
         self.has_reduced = False  # the shard holds reductions of this round (see drop_reduced)
         self.overflow = None  # the agreed inf/nan flag of the shard (FusedZeroAdam, after backward)
+        self._unwritten = set()  # members whose slot of a pooled buffer still holds old bytes
+        ends = sorted((s.offset, s.offset + s.numel) for s in (self.layout.slots[i] for i in self.plan.tensors))
+        starts = [0] + [e for _, e in ends]
+        self._padding = [(a, b) for a, b in zip(starts, [s for s, _ in ends] + [self.plan.padded_numel]) if b > a]
 
     # --- buffers -------------------------------------------------------------
 
@@ -60,17 +64,39 @@ class ReleasingGradBucket(GradBucket):
         if self.full is None:
             n = self.plan.padded_numel
             if self.pool is not None:
-                self._base = self.pool.acquire(n, self.dtype, self.device)
+                # [Note: zeroing on demand] Most slots are overwritten by a whole grad (autograd's,
+                # copied in by the post-accumulate hook), so a pooled buffer is not zeroed as a
+                # whole: the padding is zeroed now, a member's slot when a view of it is handed
+                # out to be added to (view()), and at launch for members without a grad.
+                self._base = self.pool.acquire(n, self.dtype, self.device, zero=False)
                 self.full = self._base[:n]
+                for a, b in self._padding:
+                    self.full[a:b].zero_()
+                self._unwritten = set(self.plan.tensors)
+                self.known_version = self.full._version  # the runtime's own writes, not an edit
             else:
                 self.full = torch.zeros(n, dtype=self.dtype, device=self.device)
         return self.full
+
+    def view(self, index: int, shape) -> torch.Tensor:
+        view = super().view(index, shape)
+        if index in self._unwritten:
+            self._unwritten.discard(index)
+            view.zero_()
+            self.note_write()
+        return view
+
+    def view_for_overwrite(self, index: int, shape) -> torch.Tensor:
+        view = super().view(index, shape)
+        self._unwritten.discard(index)
+        return view
 
     def _free_full(self) -> None:
         if self.full is None:
             return
         self.on_release(self)
         self.full = None
+        self._unwritten = set()
         if self._base is not None:
             self.pool.release(self._base)
             self._base = None
@@ -107,6 +133,11 @@ class ReleasingGradBucket(GradBucket):
         """IDLE/REDUCED -> IN_FLIGHT: the pending grads (zeros for members without one) are reduced."""
         self.wait()
         self.on_launch(self)
+        full = self.full_buffer()
+        for i in self._unwritten:  # no grad in this buffer (one may be in the shard already): zeros
+            s = self.layout.slots[i]
+            full[s.offset:s.offset + s.numel].zero_()
+        self._unwritten = set()
         full = self._begin_launch(zero_missing=True)  # a dropped member may have left values in its slot
         name = self.name
         if self.comm.prefers_all_reduce:

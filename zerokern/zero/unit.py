@@ -120,10 +120,12 @@ class FlatParams:
         p, bucket = self.params[i], self.bucket_of(i)
         if bucket.is_view(i, p.grad, p.shape) or isinstance(p.grad, ShardedGrad):
             return
-        view = bucket.view(i, p.shape)
         if p.grad is not None:
+            view = bucket.view_for_overwrite(i, p.shape)
             view.copy_(p.grad)  # a fresh grad from autograd, or one assigned by hand
             bucket.note_write()
+        else:
+            view = bucket.view(i, p.shape)
         p.grad = self.bound[i] = view
 
     # --- stage 2 ([Note: stage-2 memory], [Note: stage-2 .grad]) -------------------------
@@ -172,20 +174,23 @@ class FlatParams:
                 self.bound[i] = None
 
     def prepare_grad(self, i: int) -> None:
-        """Stage 2, before autograd adds a grad for params[i]: .grad becomes a view of the pending
-        buffer (taken from the pool if the bucket has none), so the add lands in the bucket."""
+        """Stage 2, before autograd adds a grad for params[i]. A .grad that views the pending
+        buffer takes the add in place (accumulation). A grad assigned by hand moves into the
+        buffer and autograd adds to it, as torch would. Otherwise (None, a placeholder, a dropped
+        view) .grad becomes None: autograd then hands over its new grad, and the hook copies it
+        into the buffer (taken from the pool), which so needs no zeroing ([Note: zeroing on
+        demand] in stage2_bucket.py)."""
         p, bucket = self.params[i], self.bucket_of(i)
         if bucket.is_view(i, p.grad, p.shape):
             return
         self.take_grad_change(i)
-        stale = self.bound[i] is not None and not isinstance(self.bound[i], ShardedGrad)
-        view = bucket.view(i, p.shape)
         if isinstance(p.grad, torch.Tensor) and not isinstance(p.grad, ShardedGrad):
-            view.copy_(p.grad)  # assigned by hand: autograd adds to it, as torch would
-        elif stale:
-            view.zero_()  # the slot still holds a pending grad the user dropped
-        bucket.note_write()
-        p.grad = self.bound[i] = view
+            view = bucket.view_for_overwrite(i, p.shape)
+            view.copy_(p.grad)
+            bucket.note_write()
+            p.grad = self.bound[i] = view
+        else:
+            p.grad = self.bound[i] = None
 
     def param_shard(self, b: int) -> torch.Tensor:
         return self.param_bufs.shard(self.rank, b)

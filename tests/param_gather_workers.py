@@ -23,12 +23,14 @@ class Block(torch.nn.Module):
 
 
 class TinyGPT(torch.nn.Module):
-    """Tied head; wpe is the root's own Parameter, read in the root's forward."""
+    """Tied head; the root's forward reads the weight of a submodule it never calls (wpe, as
+    FSDP2 allows within a unit) and a Parameter of its own (shift)."""
 
     def __init__(self, layers):
         super().__init__()
         self.wte = torch.nn.Embedding(V, D)
-        self.wpe = torch.nn.Parameter(torch.randn(T, D) * 0.1)
+        self.wpe = torch.nn.Embedding(T, D)
+        self.shift = torch.nn.Parameter(torch.randn(D) * 0.1)
         self.blocks = torch.nn.ModuleList(Block() for _ in range(layers))
         self.ln_f = torch.nn.LayerNorm(D)
         self.head = torch.nn.Linear(D, V, bias=False)
@@ -36,7 +38,7 @@ class TinyGPT(torch.nn.Module):
         self.skip = set()  # blocks the forward leaves out (a param unused this step)
 
     def forward(self, idx):
-        x = self.wte(idx) + self.wpe[: idx.shape[1]]
+        x = self.wte(idx) + self.wpe.weight[: idx.shape[1]] + self.shift
         for k, b in enumerate(self.blocks):
             if k not in self.skip:
                 x = b(x)

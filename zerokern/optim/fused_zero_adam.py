@@ -29,6 +29,17 @@ from .update_lists import UniformCalls, extend_calls
 from .zero_setup import sharding, validated_groups
 
 
+def forward_order(units, index):
+    """zerokern.shard units in the order a forward runs their pre-hooks: a unit before the units
+    inside its module, siblings in the order their params were registered."""
+    def key(u):
+        module = u.module()
+        inside = [index[p] for p in module.parameters() if p in index] if module is not None else []
+        inside = inside or [index[p] for p in u.params]
+        return min(inside), -len(inside)
+    return sorted(units, key=key)
+
+
 def owner_of(params) -> Optional["FusedZeroAdam"]:
     """The one FusedZeroAdam that trains every tensor in `params`, else None (none given, one
     not owned, or owners that differ). Integrations ask this before changing what they do."""
@@ -86,9 +97,10 @@ class FusedZeroAdam(torch.optim.Optimizer):
     in backward (the planner allows 5) ([Note: stage-2 memory] in
     zero/stage2_bucket.py). At stages 1/2 step() all-gathers the updated params;
     with overlap_param_gather=True (zerokern.shard() units only) it returns
-    before they arrive, and each module waits for its own params in its next
-    forward, state_dict() or load_state_dict(); code that reads params directly
-    in between (an EMA, a copy) calls opt.finish_param_gather() first
+    before they arrive, and each unit waits for its params in its next forward
+    (a module holding a param in its state_dict() and load_state_dict() too);
+    code that reads params directly in between (an EMA, a copy) calls
+    opt.finish_param_gather() first
     ([Note: gather behind forward] in zero/param_gather.py).
 
     The params are moved into flat buckets: their .data becomes a view of a
@@ -188,7 +200,11 @@ class FusedZeroAdam(torch.optim.Optimizer):
         self._pieces = [self._init_state(store, tindex) for store in self.stores]
         # [Note: gather behind forward]: the next forward uses the buckets in the reverse of backward's order
         gathered = self.comm.distributed and self.zero_stage >= 1
-        self.param_gather = ParamGather(self.comm, self.stores[::-1] if gathered else [])
+        in_order = self.stores[::-1]
+        if config.overlap_param_gather:  # unit by unit, as the forward reaches them (sort is stable)
+            position = {id(u): k for k, u in enumerate(forward_order(owned, index))}
+            in_order = sorted(in_order, key=lambda s: position[id(unit_of(s.flat.params[0]))])
+        self.param_gather = ParamGather(self.comm, in_order if gathered else [])
         self._overlap_gather = config.overlap_param_gather and gathered
         if self._overlap_gather:
             self.param_gather.hook_modules(owned)

@@ -15,6 +15,7 @@ gathers them. Without shard(), FusedZeroAdam(params) makes one unit of the
 params itself.
 """
 
+import weakref
 from typing import Dict, List, Optional
 
 import torch
@@ -81,9 +82,9 @@ def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket
     flattened into buckets that one FusedZeroAdam (built later over the params)
     reduces, updates and gathers. Call it on each block, then on the root. Returns
     `module` (the same object). overlap_param_gather: step() returns before the updated params
-    are gathered; each module waits for its own in its next forward or state_dict() (code that
-    reads params directly in between calls opt.finish_param_gather() first; [Note: gather behind
-    forward] in zero/param_gather.py)."""
+    are gathered; each unit waits for its own in its next forward, a module holding a param in
+    its state_dict() too (code that reads params directly in between calls
+    opt.finish_param_gather() first; [Note: gather behind forward] in zero/param_gather.py)."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"shard() takes an nn.Module, got {type(module).__name__}")
     if isinstance(module, ZeroModule):
@@ -120,6 +121,7 @@ def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket
             unit.module_slots.append((module.get_submodule(prefix), attr, p))
     unit.param_owners = [(module.get_submodule(n.rpartition(".")[0]), p)
                          for n, p in module.named_parameters(remove_duplicate=False) if unit.locate(p) is not None]
+    unit.module = weakref.ref(module)  # the module holds the unit; not the other way round
     module._zerokern_unit = unit
     module.register_forward_pre_hook(_forward_pre_hook)
     cls = module.__class__

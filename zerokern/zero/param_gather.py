@@ -4,11 +4,12 @@ points that wait for them. The one place that says whether a bucket's params are
 
 [Note: gather behind forward] After the update each rank holds new values for its own slice of
 each bucket only; one all-gather per bucket brings the rest. By default step() waits for them
-all. With overlap_param_gather=True (zerokern.shard units only) step() launches them, in the
-order the next forward uses the buckets, and returns. A bucket's gather is waited for just
-before the first module that owns one of its params runs (a forward pre-hook on each such
-module), so the forward overlaps the gathers still running, as FSDP2's prefetch and Megatron's
-overlap_param_gather do. Everything that reads or writes params through an API waits first:
+all. With overlap_param_gather=True (zerokern.shard units only) step() launches them, unit by
+unit in the order the next forward reaches the units, and returns. A unit's gathers are waited
+for in its forward pre-hook (as FSDP2 unshards a unit there), so the forward of the units
+before it overlaps them, as FSDP2's prefetch and Megatron's overlap_param_gather do; a module
+holding a param also waits for that param's bucket in its own pre-hook, for a submodule called
+on its own. Everything that reads or writes params through an API waits first:
 state_dict() and load_state_dict() of any module that owns a sharded param (so DCP, Accelerate's
 and Trainer's saves), and the optimizer's step(), state_dict(), load_state_dict() and
 full_state_dict(). A direct read of a param between step() and the next forward (an EMA update,
@@ -63,26 +64,32 @@ class ParamGather:
     # --- module hooks ----------------------------------------------------------
 
     def hook_modules(self, units) -> None:
-        """Forward, state_dict and load_state_dict pre-hooks on every module that owns a param of
-        these units (zerokern.shard recorded them), each waiting for the buckets of its own params."""
+        """The pre-hooks that wait. A unit's module waits in its forward pre-hook for all of the
+        unit's buckets, as FSDP2 unshards a unit before its forward: the unit's forward may read
+        any of its params, also those of submodules it never calls (`self.wpe.weight[:t]`).
+        Every module that holds one of the params waits for that param's bucket in its forward
+        (a submodule called on its own), state_dict() and load_state_dict() pre-hooks."""
         index = {(id(s.flat), s.b): k for k, s in enumerate(self.stores)}
-        by_module: Dict[int, List] = {}
+        waits: Dict[int, List] = {}  # id(module) -> [module, buckets to wait for, hook state dicts too]
         for u in units:
-            for owner, _, p in u.module_slots:
+            module = u.module()
+            for owner, p in u.param_owners:
                 f, i = u.locate(p)
                 k = index[(id(f), f.layout.slots[i].bucket)]
-                entry = by_module.setdefault(id(owner), [owner, set()])
-                entry[1].add(k)
+                waits.setdefault(id(owner), [owner, set(), True])[1].add(k)
+                if module is not None:
+                    waits.setdefault(id(module), [module, set(), False])[1].add(k)
         me = weakref.ref(self)  # the hooks outlive an optimizer that is dropped; its state must not
-        for owner, ks in by_module.values():
+        for module, ks, owns in waits.values():
             ks = sorted(ks)
 
-            def wait_mine(*_, ks=ks):
+            def wait_for(*_, ks=ks):
                 gather = me()
                 if gather is not None and gather._pending:
                     gather.wait(ks)
 
             # a unit belongs to one optimizer for good (FusedZeroAdam checks), so these stay
-            owner.register_forward_pre_hook(wait_mine)
-            owner.register_state_dict_pre_hook(wait_mine)
-            owner.register_load_state_dict_pre_hook(wait_mine)
+            module.register_forward_pre_hook(wait_for)
+            if owns:
+                module.register_state_dict_pre_hook(wait_for)
+                module.register_load_state_dict_pre_hook(wait_for)

@@ -236,6 +236,7 @@ class ShardUnit:
         self.schedule = None  # the ReduceSchedule of the optimizer that owns this unit, once one does
         self.module_slots = []  # (module, attribute, param): set by zerokern.shard to follow the module
         self.param_owners = []  # (module, param) for every module holding a param, tied ones each time
+        self.module = lambda: None  # zerokern.shard: a weak reference to the unit's module
         self.sync = True  # False: backward accumulates locally (no_sync / set_requires_gradient_sync(False))
         self.flat: List[FlatParams] = []
         trainable = [k for k, p in enumerate(params) if p.requires_grad]

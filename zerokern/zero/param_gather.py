@@ -76,7 +76,9 @@ class ParamGather:
             for owner, p in u.param_owners:
                 f, i = u.locate(p)
                 k = index[(id(f), f.layout.slots[i].bucket)]
-                waits.setdefault(id(owner), [owner, set(), True])[1].add(k)
+                entry = waits.setdefault(id(owner), [owner, set(), True])
+                entry[1].add(k)
+                entry[2] = True  # also where the unit's own module came first without the flag
                 if module is not None:
                     waits.setdefault(id(module), [module, set(), False])[1].add(k)
         me = weakref.ref(self)  # the hooks outlive an optimizer that is dropped; its state must not

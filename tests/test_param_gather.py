@@ -57,3 +57,19 @@ def test_one_process_trains_as_without_it():
             m(x).square().mean().backward()
             o.step()
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_units_gather_in_the_order_the_forward_reaches_them():
+    """The root first (its pre-hook runs first, also where its own params come last), then the
+    blocks in order."""
+    from zerokern.optim.fused_zero_adam import forward_order
+    from zerokern.zero.api import unit_of
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    for blk in list(model)[1::-1]:  # shard the blocks in reverse, to show the order is not the calls'
+        zerokern.shard(blk)
+    zerokern.shard(model)  # the root holds the head, registered last
+    params = list(model.parameters())
+    index = {p: k for k, p in enumerate(params)}
+    units = [unit_of(model[2].weight), unit_of(model[1].weight), unit_of(model[0].weight)]
+    assert forward_order(units, index) == [units[0], units[2], units[1]]

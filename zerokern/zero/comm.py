@@ -67,9 +67,10 @@ class _SumOnWait:
         return True
 
 
-# p2p tags: every rank issues the same collectives in the same order ([Note: one collective
-# order]), so this process-wide counter gives both sides of an exchange the same tag.
-_TAGS = itertools.count()
+# p2p tags, one counter per process group: the members of a group issue the same collectives on
+# it in the same order ([Note: one collective order]), so both sides of an exchange get the same
+# tag, also where a rank belongs to several groups.
+_TAGS = {}
 
 
 class Comm:
@@ -126,7 +127,7 @@ class Comm:
         of two values does not depend on their order, so both ranks' results are what an
         all-reduce would give."""
         n, peer = output.numel(), 1 - self.rank
-        tag = next(_TAGS) % (1 << 30)
+        tag = next(_TAGS.setdefault(self.group, itertools.count())) % (1 << 30)
         works = [dist.isend(input[peer * n:(peer + 1) * n], self._global_rank(peer), group=self.group, tag=tag),
                  dist.irecv(output, self._global_rank(peer), group=self.group, tag=tag)]
         return _SumOnWait(works, output, input[self.rank * n:(self.rank + 1) * n])

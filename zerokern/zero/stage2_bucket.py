@@ -56,7 +56,9 @@ class ReleasingGradBucket(GradBucket):
         self._unwritten = set()  # members whose slot of a pooled buffer still holds old bytes
         ends = sorted((s.offset, s.offset + s.numel) for s in (self.layout.slots[i] for i in self.plan.tensors))
         starts = [0] + [e for _, e in ends]
-        self._padding = [(a, b) for a, b in zip(starts, [s for s, _ in ends] + [self.plan.padded_numel]) if b > a]
+        gaps = [(a, b) for a, b in zip(starts, [s for s, _ in ends] + [self.plan.padded_numel]) if b > a]
+        # the padding's positions, zeroed with one op per acquire (a gap per member otherwise)
+        self._padding = torch.tensor([k for a, b in gaps for k in range(a, b)], dtype=torch.long, device=self.device)
 
     # --- buffers -------------------------------------------------------------
 
@@ -70,8 +72,8 @@ class ReleasingGradBucket(GradBucket):
                 # out to be added to (view()), and at launch for members without a grad.
                 self._base = self.pool.acquire(n, self.dtype, self.device, zero=False)
                 self.full = self._base[:n]
-                for a, b in self._padding:
-                    self.full[a:b].zero_()
+                if self._padding.numel():
+                    self.full.index_fill_(0, self._padding, 0)
                 self._unwritten = set(self.plan.tensors)
                 self.known_version = self.full._version  # the runtime's own writes, not an edit
             else:

@@ -18,11 +18,15 @@ them the same batches):
 Every variant uses lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0.01.
 
 Timing: each round gives every variant a turn, the order rotated per round. A
-turn runs two steps on the round's batch and times the second, on rank 0 from a
-barrier before it to a barrier after it (so it is the slowest rank's step): its
-forward meets what the first step left running, as in a training loop
-(zerokern-s2+gather's gathers; the other variants leave nothing). What the
-second step leaves running is finished, untimed, before the next turn. Reported: median and 25th/75th percentiles. The
+turn starts at a barrier, runs one untimed step, then --steps-per-turn steps on
+the round's batch, timed on rank 0 from the end of the untimed step to the end
+of the last timed one, divided by their number. No barrier closes the timed
+steps: gloo's barrier waits for every collective still queued, so a trailing
+barrier would add the last step's param gathers to zerokern-s2+gather's time,
+which a training loop hides behind its next forward; each timed forward meets
+what the step before it left running, as in a loop, and every variant's
+collectives keep the ranks in step. What the last step leaves running is
+finished, untimed, before the next turn. Reported: median and 25th/75th percentiles. The
 loss after the last round is averaged over ranks; the variants must agree (same
 data, same initial weights, same hyper-parameters).
 
@@ -253,16 +257,17 @@ def worker(rank, world, init, args, out):
             for v in variants[shift:] + variants[:shift]:
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats()
+                dist.barrier()
                 v.step(x, y)  # leaves running what a training loop's next step meets
                 H.sync(device)
-                dist.barrier()
                 t0 = time.perf_counter()
-                v.step(x, y, measure=r == 1)
+                for k in range(args.steps_per_turn):
+                    v.step(x, y, measure=r == 1 and k == 0)
                 H.sync(device)
-                dist.barrier()
                 if r:  # round 0 warms up
-                    times[v.name].append(time.perf_counter() - t0)
+                    times[v.name].append((time.perf_counter() - t0) / args.steps_per_turn)
                 v.finish()  # untimed: nothing runs on into the next variant's turn
+                dist.barrier()
                 if device.type == "cuda" and r == 1:
                     peak[v.name] = torch.cuda.max_memory_allocated()
             if r == 0:
@@ -304,6 +309,7 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--steps-per-turn", type=int, default=2, help="timed steps per variant and round")
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--variants", default="zerokern-s1,zerokern-s2,zerokern-s2+gather,ddp+adamw-fused,"
                                           "zero-redundancy,fsdp2,deepspeed-zero2")
@@ -327,7 +333,8 @@ def main(argv=None):
     info = H.machine_info(args.device)
     info.update(world=args.world, threads_per_rank=args.threads, params=result["numel"],
                 model=f"GPT d={args.d_model} layers={args.layers} heads={args.heads} vocab={args.vocab} "
-                      f"ctx={args.ctx}, batch {args.batch} per rank", bucket_cap_mb=args.bucket_cap_mb)
+                      f"ctx={args.ctx}, batch {args.batch} per rank", bucket_cap_mb=args.bucket_cap_mb,
+                steps_per_turn=args.steps_per_turn)
     rows = result["rows"]
     mib = lambda b: None if b is None else round(b / 2**20, 2)  # noqa: E731
     for dtype in args.dtypes.split(","):

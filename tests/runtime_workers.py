@@ -218,7 +218,7 @@ def released_buffers_die(rank, world):
 
     hooks = [p.register_post_accumulate_grad_hook(look) for p in model.parameters()]
     seq = tokens(1)[0]
-    alive_after, pooled = [], []
+    alive_after, pooled, allocations = [], [], []
     for _ in range(2):
         opt.zero_grad()
         gpt_loss(model, mine(seq, rank, world)).backward()
@@ -227,10 +227,12 @@ def released_buffers_die(rank, world):
         alive = [r() for r in seen.values() if r() is not None]
         free = [t for ts in opt.schedule.pool._free.values() for t in ts]
         alive_after.append(len([t for t in alive if not any(t is f for f in free)]))
-        pooled.append(len(free))
+        pooled.append(sum(t.numel() * t.element_size() for t in free))
+        allocations.append(opt.schedule.pool.allocations)
     for h in hooks:
         h.remove()
-    return {"alive": alive_after, "refs": len(seen), "pooled": pooled, "keep": opt.schedule.pool.keep,
+    return {"alive": alive_after, "refs": len(seen), "pooled": pooled, "allocations": allocations,
+            "pool_peak": opt.schedule.pool.peak_bytes,
             "grads_bytes": opt.memory_report()["grads"], "shard_bytes": sum(
                 b.shard.numel() * b.shard.element_size() for b in opt.schedule.buckets if b.shard is not None),
             "grad_none": all(p.grad is None for p in model.parameters())}

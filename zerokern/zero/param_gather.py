@@ -37,16 +37,15 @@ class ParamGather:
     def pending(self) -> bool:
         return self._pending > 0
 
-    def launch(self, wait: bool) -> None:
-        """After an update: gather every bucket (in forward order); wait for all unless `wait` is False."""
-        self.wait_all()  # a gather still running from the last step shares the buffers
-        for k, s in enumerate(self.stores):
+    def launch(self, ks) -> None:
+        """Gather these buckets (by index into stores), whose shards were just updated. The caller
+        waited for the last step's gathers first (they share the buffers)."""
+        for k in ks:
+            s = self.stores[k]
             buf = s.flat.param_bufs.buffers[s.b]
             self._works[k] = self.comm.all_gather(buf, s.param_shard(), name=f"all_gather[{s.bucket.name}]")
             self.state[k] = GatherState.GATHERING
-        self._pending = len(self.stores)
-        if wait:
-            self.wait_all()
+            self._pending += 1
 
     def wait(self, ks) -> None:
         """GATHERING -> CURRENT for these buckets (by index into stores)."""

@@ -42,7 +42,12 @@ class ReduceSchedule:
         self._position = {id(b): k for k, b in enumerate(buckets)}
         # [Note: stage-2 memory]: stage-2 buckets draw their full buffers from one pool, and at most
         # IN_FLIGHT_BUCKETS of their reductions run at once in backward (the oldest is waited for).
-        self.pool = GradBufferPool(keep=IN_FLIGHT_BUCKETS + 1)
+        # A bucket of several params is at most about bucket_cap_mb: those share one buffer size.
+        unit = {}
+        for b in buckets:
+            if b.releases and len(b.plan.tensors) > 1:
+                unit[b.dtype] = max(unit.get(b.dtype, 0), b.plan.padded_numel)
+        self.pool = GradBufferPool(unit)
         self._in_flight = deque()
         for b in buckets:
             if b.releases:

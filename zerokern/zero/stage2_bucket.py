@@ -7,7 +7,8 @@ stages 0 and 1 keep). The full buffer holds only the local grads not yet
 reduced ("pending"); each reduction adds its average into the shard, which
 accumulates over the synced backwards of a round (a round ends at step() or
 zero_grad()), and the full buffer goes back to the pool the moment the
-reduction is waited for. So after a synced backward a rank holds its reduced
+reduction is waited for (the pool keeps it for the next backward: [Note: what
+the pool keeps] in pool.py). So after a synced backward a rank holds its reduced
 shards plus nothing else; during backward, the buckets autograd is filling
 (usually one or two, and one a tied embedding holds open all backward) plus at
 most IN_FLIGHT_BUCKETS reductions in flight (ReduceSchedule waits for the
@@ -52,7 +53,8 @@ class ReleasingGradBucket(GradBucket):
         self._base = None  # the pool buffer self.full is a prefix of
         self._scratch = None  # where the running reduction leaves its result, if not in self.shard
         self.has_reduced = False  # the shard holds reductions of this round (see drop_reduced)
-        self.overflow = None  # the agreed inf/nan flag of the shard (FusedZeroAdam, after backward)
+        self.overflow = None  # the agreed inf/nan flag of the shard, once asked for (overflow_flag)
+        self.agree_overflow = None  # FusedZeroAdam.agree_overflow (weakly): sets every bucket's flag
         self._unwritten = set()  # members whose slot of a pooled buffer still holds old bytes
         ends = sorted((s.offset, s.offset + s.numel) for s in (self.layout.slots[i] for i in self.plan.tensors))
         starts = [0] + [e for _, e in ends]
@@ -116,10 +118,13 @@ class ReleasingGradBucket(GradBucket):
                 self.shard[pc.shard_offset:pc.shard_offset + pc.numel].zero_()
 
     def overflow_flag(self) -> torch.Tensor:
-        """1.0 if the reduced shard holds an inf/nan on some rank (agreed after backward), else 0."""
+        """1.0 if the reduced shard holds an inf/nan on some rank, else 0: agreed by all ranks the first
+        time it is asked after a reduction (a collective: torch.amp.GradScaler asks on every rank)."""
+        if self.overflow is None and self.agree_overflow is not None and self.agree_overflow() is not None:
+            self.agree_overflow()()
         if self.overflow is not None:
             return self.overflow
-        flag = torch.zeros((), device=self.device)  # no agreed flag (an interrupted backward): this rank's
+        flag = torch.zeros((), device=self.device)  # no optimizer to agree with: this rank's
         torch._amp_foreach_non_finite_check_and_unscale_([self.shard], flag, torch.ones((), device=self.device))
         return flag
 
@@ -149,6 +154,7 @@ class ReleasingGradBucket(GradBucket):
             self._scratch = torch.empty_like(self.shard) if self.has_reduced else self.shard
             self.work = self.comm.reduce_scatter(self._scratch, full, name=f"reduce_scatter[{name}]")
         self.state = BucketState.IN_FLIGHT
+        self.overflow = None  # the shard changes: a flag agreed before no longer holds
 
     def wait(self) -> None:
         """IN_FLIGHT -> REDUCED: the average is added into the shard and the full buffer released."""

@@ -142,21 +142,35 @@ def parser():
     ap.add_argument("--weight-decay", type=float, default=0.01)
     ap.add_argument("--bucket-cap-mb", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                    help="auto: one GPU per local rank if there is a GPU, else CPU ranks (gloo)")
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--log-json", help="write the loss curve here (rank 0)")
     return ap
+
+
+def pick_device(choice, local_rank):
+    """One GPU per local rank (cuda:LOCAL_RANK) where this machine has that many, else a clear
+    error; CPU ranks (gloo) with --device cpu, or by default where there is no GPU."""
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if local_rank >= count:
+        raise SystemExit(f"train_gpt.py: local rank {local_rank} needs cuda:{local_rank}, but this machine has "
+                         f"{count} GPU(s): start at most {count} process(es) per node (torchrun "
+                         f"--nproc_per_node={max(count, 1)}), or pass --device cpu to train on CPU ranks (gloo)")
+    return torch.device("cuda", local_rank)
 
 
 def main():
     args = parser().parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    device = "cpu"
-    if torch.cuda.is_available():
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    device = pick_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
+    if device.type == "cuda":
         torch.cuda.set_device(device)
     if world > 1:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         exit_drain.register()  # for the DDP run as well (FusedZeroAdam registers it itself)
     if args.batch % (world * args.grad_accum):
         raise SystemExit(f"--batch {args.batch} must be divisible by world size {world} x --grad-accum {args.grad_accum}")

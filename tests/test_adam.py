@@ -264,3 +264,25 @@ def test_cuda_graph_replay_equals_eager_steps():
     for a, b in zip(graphed[0] + graphed[2] + graphed[3] + graphed[4], eager[0] + eager[2] + eager[3] + eager[4]):
         assert torch.equal(a, b)
     assert not torch.equal(graphed[0][0], make_state(sizes, torch.bfloat16, "cuda")[0][0]), "the replays changed params"
+
+
+def test_triton_launches_on_the_tensors_device(monkeypatch):
+    """Triton launches on the current CUDA device, not on its arguments': every Triton launch
+    (Adam, flatten, unflatten) enters the tensors' device first, as the CUDA backend's device
+    guard does (issue 16: params on cuda:1 while cuda:0 is current)."""
+    from zerokern.kernels.backends import triton_common
+
+    real, seen = triton_common.device_guard, []
+
+    def recording(device):
+        seen.append(device)
+        return real(device)
+
+    monkeypatch.setattr(triton_common, "device_guard", recording)
+    device = torch.device(device_for("triton"))
+    run("triton", make_state([300, 20], torch.float32, device), 1)
+    flat = ops.flatten([torch.ones(5, device=device), torch.ones(3, device=device)], torch.bfloat16, backend="triton")
+    ops.unflatten(flat, [torch.empty(5, device=device), torch.empty(3, device=device)], backend="triton")
+    assert seen == [device] * 3, seen
+    guard = real(torch.device("cuda", 1))  # entering it needs a GPU; what it would enter is checked here
+    assert isinstance(guard, torch.cuda.device) and guard.idx == 1

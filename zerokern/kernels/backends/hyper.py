@@ -55,7 +55,9 @@ def coefficients(h: AdamHyper):
     def f64(x, default=None):
         if isinstance(x, torch.Tensor):
             return x.reshape(()).to(torch.float64)
-        return torch.tensor(float(default if x is None else x), dtype=torch.float64, device=device)
+        # A fill on the device, not torch.tensor(x, device=...): that one copies from the host, which
+        # blocks the host and cannot be captured in a CUDA graph.
+        return torch.full((), float(default if x is None else x), dtype=torch.float64, device=device)
 
     lr, step, scale = f64(h.lr).float().double(), f64(h.step), f64(h.grad_scale, 1.0).float().double()
     one = torch.ones((), dtype=torch.float64, device=device)

@@ -12,6 +12,7 @@ import triton.language as tl
 
 from .._checks import check_adam_args
 from .hyper import AdamHyper, coefficients
+from . import triton_common
 from .triton_common import TL_DTYPE, find_tensor, group_nonempty, tile_batch, to_bf16_rne
 
 BLOCK = 1024
@@ -75,15 +76,17 @@ def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, model_params, h: AdamHyper
     on_device = isinstance(coef, torch.Tensor)
     l2 = 0.0 if h.adam_w_mode else h.weight_decay
     keys = [(g.dtype, model_params[i].dtype if model_params else None) for i, g in enumerate(grads)]
-    for (gdt, odt), idx in group_nonempty(params, keys).items():
-        lists = [params, grads, exp_avgs, exp_avg_sqs] + ([model_params] if odt is not None else [])
-        b = tile_batch([[lst[i] for i in idx] for lst in lists], BLOCK, device)
-        dummy = b.table  # stands in for absent pointer arguments (never read)
-        _adam_kernel[(b.tiles,)](
-            b.table, b.first_tile, b.numel, b.count,
-            coef if on_device else dummy, h.found_inf if h.found_inf is not None else dummy,
-            *((1.0, 1.0, 1.0, 1.0) if on_device else coef), h.beta1, h.beta2, 1.0 - h.beta1, 1.0 - h.beta2, h.eps, l2,
-            GRAD_T=TL_DTYPE[gdt], OUT_T=TL_DTYPE[odt] if odt is not None else tl.float16, HAS_OUT=odt is not None,
-            COEF_PTR=on_device, FOUND_INF=h.found_inf is not None,
-            SEARCH_STEPS=b.search_steps, BLOCK=BLOCK,
-        )
+    with triton_common.device_guard(device):
+        for (gdt, odt), idx in group_nonempty(params, keys).items():
+            lists = [params, grads, exp_avgs, exp_avg_sqs] + ([model_params] if odt is not None else [])
+            b = tile_batch([[lst[i] for i in idx] for lst in lists], BLOCK, device)
+            dummy = b.table  # stands in for absent pointer arguments (never read)
+            _adam_kernel[(b.tiles,)](
+                b.table, b.first_tile, b.numel, b.count,
+                coef if on_device else dummy, h.found_inf if h.found_inf is not None else dummy,
+                *((1.0, 1.0, 1.0, 1.0) if on_device else coef), h.beta1, h.beta2, 1.0 - h.beta1, 1.0 - h.beta2,
+                h.eps, l2,
+                GRAD_T=TL_DTYPE[gdt], OUT_T=TL_DTYPE[odt] if odt is not None else tl.float16, HAS_OUT=odt is not None,
+                COEF_PTR=on_device, FOUND_INF=h.found_inf is not None,
+                SEARCH_STEPS=b.search_steps, BLOCK=BLOCK,
+            )

@@ -11,6 +11,7 @@ relied on inside a CUDA graph capture.
 """
 
 import collections
+import contextlib
 import math
 
 import torch
@@ -46,6 +47,14 @@ class TileBatch:
         self.first_tile = meta[len(table): len(table) + self.count + 1]
         self.numel = meta[len(table) + self.count + 1:]
         self.search_steps = math.ceil(math.log2(self.count)) if self.count > 1 else 0
+
+
+def device_guard(device):
+    """Triton launches on the current CUDA device, not on its arguments': a launch for tensors on
+    cuda:1 while cuda:0 is current must switch first, as the CUDA backend's device guard does."""
+    if device is not None and device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 _BATCHES = collections.OrderedDict()

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from .._checks import check_flatten_args, check_unflatten_args
+from . import triton_common
 from .triton_common import TL_DTYPE, find_tensor, group_nonempty, tile_batch, to_bf16_rne
 
 BLOCK = 2048
@@ -46,10 +47,11 @@ def _copy(flat, tensors, offsets, to_flat):
             t.copy_(view.view(t.shape))
     srcs = [t if to_flat else v for t, v in fast]
     dsts = [v if to_flat else t for t, v in fast]
-    for (sdt, ddt), idx in group_nonempty(srcs, [(s.dtype, d.dtype) for s, d in zip(srcs, dsts)]).items():
-        b = tile_batch([[srcs[i] for i in idx], [dsts[i] for i in idx]], BLOCK, flat.device)
-        _cast_kernel[(b.tiles,)](b.table, b.first_tile, b.numel, b.count, SRC_T=TL_DTYPE[sdt], DST_T=TL_DTYPE[ddt],
-                                 SEARCH_STEPS=b.search_steps, BLOCK=BLOCK)
+    with triton_common.device_guard(flat.device):
+        for (sdt, ddt), idx in group_nonempty(srcs, [(s.dtype, d.dtype) for s, d in zip(srcs, dsts)]).items():
+            b = tile_batch([[srcs[i] for i in idx], [dsts[i] for i in idx]], BLOCK, flat.device)
+            _cast_kernel[(b.tiles,)](b.table, b.first_tile, b.numel, b.count, SRC_T=TL_DTYPE[sdt],
+                                     DST_T=TL_DTYPE[ddt], SEARCH_STEPS=b.search_steps, BLOCK=BLOCK)
 
 
 def flatten(tensors, dtype, offsets, numel):

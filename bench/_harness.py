@@ -141,6 +141,24 @@ def print_table(rows, columns):
             print("  ".join("-" * w for w in widths))
 
 
+class CaseLog:
+    """--jsonl PATH: the machine facts, then each finished case's rows, one JSON object per line,
+    appended and flushed as the case ends, so a run stopped at its time limit (bench/device_check.sh)
+    keeps every case it finished. No path: does nothing."""
+
+    def __init__(self, path, info):
+        self.path = path
+        if path:
+            with open(path, "w") as f:
+                f.write(json.dumps({"machine": info}) + "\n")
+
+    def add(self, rows):
+        if self.path:
+            with open(self.path, "a") as f:
+                for r in rows:
+                    f.write(json.dumps(r) + "\n")
+
+
 def write_json(path, info, rows):
     with open(path, "w") as f:
         json.dump({"machine": info, "results": rows}, f, indent=1)

@@ -208,6 +208,7 @@ def main(argv=None):
                          "a smoke test")
     ap.add_argument("--json", help="write results (with machine facts) to this path")
     ap.add_argument("--plot", help="write a PNG of GB/s against size to this path")
+    ap.add_argument("--jsonl", help="append each case's rows to this path as it finishes (JSON lines)")
     args = ap.parse_args(argv)
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
@@ -222,12 +223,14 @@ def main(argv=None):
           f"torch {info['torch']}; backends: {ops.available_backends()}")
 
     cases = [(p, l, n) for p in args.precisions.split(",") for l in args.layouts.split(",") for n in sizes]
-    rows = []
+    rows, log = [], H.CaseLog(args.jsonl, info)
     with tqdm(total=len(cases), desc="cases", unit="case") as progress:
         for precision, layout, n in cases:
             progress.set_postfix_str(f"{precision} {layout} {n:.0e}")
-            rows += run_case(precision, layout, n, device, args.budget, rounds, args.with_reference, progress,
-                             with_deepspeed=not args.quick)
+            case = run_case(precision, layout, n, device, args.budget, rounds, args.with_reference, progress,
+                            with_deepspeed=not args.quick)
+            log.add(case)
+            rows += case
 
     H.print_table(rows, [
         ("precision", "prec", "{}"), ("layout", "layout", "{}"), ("params", "params", "{:.2e}"),

@@ -98,6 +98,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="small stand-ins for both cases: a smoke test")
     ap.add_argument("--json")
     ap.add_argument("--plot")
+    ap.add_argument("--jsonl", help="append each case's rows to this path as it finishes (JSON lines)")
     args = ap.parse_args(argv)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if args.threads:
@@ -106,10 +107,12 @@ def main(argv=None):
              [("gpt2-small", gpt2_shapes()), ("10k-tiny", tiny_shapes())])
     info = H.machine_info(device)
     print(f"zerokern flatten/unflatten on {info.get('gpu') or info['cpu']} ({device}, {info['torch_threads']} threads)")
-    rows = []
+    rows, log = [], H.CaseLog(args.jsonl, info)
     jobs = [(c, op) for c in cases for op in ("flatten", "flatten_into", "unflatten", "flatten32")]
     for (name, shapes), op in tqdm(jobs, desc="cases", unit="case"):
-        rows += run_case(name, shapes, op, device, 3 if args.quick else args.rounds, args.budget)
+        case = run_case(name, shapes, op, device, 3 if args.quick else args.rounds, args.budget)
+        log.add(case)
+        rows += case
     H.print_table(rows, [("case", "case", "{}"), ("op", "op", "{}"), ("impl", "impl", "{}"),
                          ("median_ms", "ms", "{:.3f}"), ("p25_ms", "p25", "{:.3f}"), ("p75_ms", "p75", "{:.3f}"),
                          ("gb_per_s", "GB/s", "{:.1f}"), ("pct_of_copy", "%copy", "{:.0f}"),

@@ -38,10 +38,11 @@ def main(argv=None):
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--json")
+    ap.add_argument("--jsonl", help="append each size's rows to this path as it finishes (JSON lines)")
     args = ap.parse_args(argv)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     info = H.machine_info(device)
-    rows = []
+    rows, log = [], H.CaseLog(args.jsonl, info)
     for n in tqdm([int(float(s)) for s in args.sizes.split(",")], desc="sizes"):
         shapes = H.transformer_shapes(n)
         models = {"zerokern-FusedZeroAdam": Params(shapes, device), "torch-AdamW(fused)": Params(shapes, device)}
@@ -67,6 +68,7 @@ def main(argv=None):
         diff = max((a - b).abs().max().item() for a, b in zip(models["zerokern-FusedZeroAdam"].parameters(),
                                                               models["torch-AdamW(fused)"].parameters()))
         rows[-1]["max_param_diff"] = rows[-2]["max_param_diff"] = diff
+        log.add(rows[-2:])
         del models, opts
     print(f"optimizer step, world size 1, {info.get('gpu') or info['cpu']} ({device}, {info['torch_threads']} threads)")
     H.print_table(rows, [("params", "params", "{:.2e}"), ("tensors", "tensors", "{}"), ("impl", "impl", "{}"),

@@ -225,13 +225,14 @@ def released_buffers_die(rank, world):
         opt.step()
         gc.collect()
         alive = [r() for r in seen.values() if r() is not None]
-        free = [t for ts in opt.schedule.pool._free.values() for t in ts]
+        free = list(opt.schedule.pool._free)
         alive_after.append(len([t for t in alive if not any(t is f for f in free)]))
         pooled.append(sum(t.numel() * t.element_size() for t in free))
         allocations.append(opt.schedule.pool.allocations)
     for h in hooks:
         h.remove()
     return {"alive": alive_after, "refs": len(seen), "pooled": pooled, "allocations": allocations,
+            "kept": len(opt.schedule.pool._free), "keep": opt.schedule.pool.keep,
             "pool_peak": opt.schedule.pool.peak_bytes,
             "grads_bytes": opt.memory_report()["grads"], "shard_bytes": sum(
                 b.shard.numel() * b.shard.element_size() for b in opt.schedule.buckets if b.shard is not None),

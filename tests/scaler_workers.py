@@ -76,3 +76,45 @@ def different_scales(rank, world):
     except RuntimeError as e:
         return str(e)
     return None
+
+
+def synced_then_partial_no_sync(rank, world, scaler_kind):
+    """Stage 2: a synced backward, then a no_sync backward in which rank 0 reaches every param and
+    rank 1 only the first layer (so rank 0's .grad holds no placeholder any more, rank 1's does),
+    then scaler.step. The ranks must run the same collectives (found by review: agreeing on the
+    overflow flag only when a placeholder was asked for put one all-reduce on rank 1 only)."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    opt = FusedZeroAdam(model.parameters(), lr=1e-2, zero_stage=2, bucket_cap_mb=1e-4)
+    Scaler = zerokern.GradScaler if scaler_kind == "zerokern" else torch.amp.GradScaler
+    scaler = Scaler("cpu", init_scale=1024.0)
+    x = torch.randn(3, 4)
+    scales = []
+    for _ in range(2):
+        opt.zero_grad()
+        scaler.scale(model(x).square().mean()).backward()
+        with opt.no_sync():
+            y = model(x) if rank == 0 else model[0](x)
+            scaler.scale(y.square().mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return {"scales": scales, "params": [p.detach().clone() for p in model.parameters()]}
+
+
+def overflow_checks_without_a_scaler(rank, world):
+    """fp32 at stage 2 without a GradScaler: the inf/nan agreement after backward (a pass over the
+    shards and a collective) runs until the first step() shows there is no scaler, then no more."""
+    torch.set_num_threads(1)
+    model = net(torch.float32)
+    opt = FusedZeroAdam(model.parameters(), lr=1e-2, zero_stage=2, bucket_cap_mb=1e-4)
+    calls, real = [], opt._agreed_overflow
+    opt._agreed_overflow = lambda: calls.append(1) or real()
+    per_step = []
+    for t, xs in enumerate(data(world)[:3]):
+        opt.zero_grad()
+        loss_of(model, xs[0][rank], 0.0).backward()
+        opt.step()
+        per_step.append(len(calls))
+    return {"calls_after_each_step": per_step}

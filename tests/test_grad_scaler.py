@@ -52,3 +52,16 @@ def test_torch_grad_scaler_under_no_sync_only_is_a_clear_error_on_every_rank(sta
 def test_scalers_with_different_scales_are_a_clear_error_on_every_rank():
     for rank, err in enumerate(dist_harness.values(dist_harness.run(W.different_scales, 2, timeout=120))):
         assert err is not None and "different scales" in err, (rank, err)
+
+
+@pytest.mark.parametrize("scaler_kind", ["torch", "zerokern"])
+def test_no_sync_backward_reaching_other_params_per_rank_keeps_the_ranks_in_step(scaler_kind):
+    results = dist_harness.values(dist_harness.run(W.synced_then_partial_no_sync, 2, scaler_kind, timeout=120))
+    assert results[0]["scales"] == results[1]["scales"], results
+    for a, b in zip(results[0]["params"], results[1]["params"]):
+        assert torch.equal(a, b)
+
+
+def test_stage2_without_a_scaler_stops_checking_after_the_first_step():
+    for r in dist_harness.values(dist_harness.run(W.overflow_checks_without_a_scaler, 2, timeout=120)):
+        assert r["calls_after_each_step"] == [1, 1, 1], r

@@ -62,8 +62,9 @@ def test_released_grad_buffers_do_not_outlive_the_step(world):
     for r in results:
         assert r["refs"] > 1
         assert r["alive"] == [0, 0], r
-        # [Note: what the pool keeps]: the buffers the backward used, reused by the second step
-        assert all(0 < n <= r["pool_peak"] for n in r["pooled"]) or world == 1, r
+        # [Note: what the pool keeps]: at most `keep` of the buffers the backward used, reused by the
+        # second step
+        assert all(n <= r["pool_peak"] for n in r["pooled"]) and r["kept"] <= r["keep"], r
         assert r["allocations"][1] == r["allocations"][0], r
         # one process: nothing is held; several ranks: the reduced shards (stage 2's gradients) stay
         assert r["grads_bytes"] == (0 if world == 1 else r["shard_bytes"]) and r["grad_none"], r

@@ -187,9 +187,7 @@ class FusedZeroAdam(torch.optim.Optimizer):
         # [Note: overflow on any rank]: where .grad is local (sharded, several ranks)
         self._share_overflow_after_backward = self.comm.distributed and config.stage >= 1
         self.schedule.owner = weakref.ref(self)
-        if config.stage == 2 and self.comm.distributed:
-            for b in self.schedule.buckets:
-                b.agree_overflow = weakref.WeakMethod(self.agree_overflow)
+        self._scaler_in_use = True  # until a step() runs without a GradScaler ([Note: overflow on any rank])
         for u in self.units:
             u.schedule = self.schedule
         self._broadcast_params()  # before the stores read their masters
@@ -306,14 +304,22 @@ class FusedZeroAdam(torch.optim.Optimizer):
         reduced shards, agree on one flag (all-reduce MAX) and, if set, write an inf into a
         local grad, so every rank's scaler sees an overflow, skips and backs off alike. Any
         dtype: fp32/bf16 params under autocast(fp16) use a scaler too. No host sync. At stage 2
-        the scaler's check reaches the optimizer through the .grad placeholders, so the flag is
-        agreed then (agree_overflow), and only if a scaler asks."""
+        only while a scaler is in use (see below)."""
         if not self._share_overflow_after_backward or not self.stores:
             return
         if self.zero_stage == 2:
-            # The placeholders in .grad answer the scaler ([Note: stage-2 .grad]), so the flag is
-            # agreed when a scaler asks for it (agree_overflow), not after every backward: training
-            # without a scaler (fp32, bf16) pays no pass over the shards and no collective for it.
+            # The placeholders in .grad answer the scaler from this flag ([Note: stage-2 .grad]).
+            # Only a scaler asks, so once step() has run without one (fp32, bf16 training) the
+            # check is left out: no pass over the shards and no collective per backward. The
+            # decision is the same on every rank (step() checks that the scalers agree), so the
+            # collective runs on all ranks or none. Asking when the flag was not computed here
+            # (the first steps ran without a scaler) gives this rank's flag, and step() raises if
+            # the ranks' scalers disagree. (Agreeing only when asked hung: after a no_sync
+            # backward one rank may hold no placeholder and never ask.)
+            if self._scaler_in_use:
+                flag = self._agreed_overflow()
+                for s in self.stores:
+                    s.bucket.overflow = flag
             return
         flag = self._agreed_overflow()
         for s in self.stores:
@@ -329,15 +335,6 @@ class FusedZeroAdam(torch.optim.Optimizer):
         flag = torch.zeros((), device=shards[0].device)
         torch._amp_foreach_non_finite_check_and_unscale_(shards, flag, torch.ones((), device=flag.device))
         self.comm.wait(self.comm.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, name="overflow"))
-        return flag
-
-    def agree_overflow(self):
-        """Stage 2: the agreed overflow flag, for every bucket at once, the first time a bucket's
-        placeholders are asked after a reduction (torch.amp.GradScaler's unscale_, which every rank
-        runs at the same point of the loop: a collective). [Note: overflow on any rank]"""
-        flag = self._agreed_overflow()
-        for s in self.stores:
-            s.bucket.overflow = flag
         return flag
 
     def share_found_inf(self, found_inf_per_device):
@@ -384,6 +381,7 @@ class FusedZeroAdam(torch.optim.Optimizer):
             raise RuntimeError("scaler.unscale_(optimizer) is not supported with FusedZeroAdam (the grads it "
                                "would unscale are already reduced); clip with FusedZeroAdam(max_grad_norm=...)")
         had, skip = self._prepare(found_inf, grad_scale)
+        self._scaler_in_use = grad_scale is not None
         skip = skip or self._overflow_seen  # an fp16 sum that overflowed when clip_grad_norm_ reduced it
         if had and not any(had) and not self._warned_no_grads:
             self._warned_no_grads = True
@@ -519,7 +517,8 @@ class FusedZeroAdam(torch.optim.Optimizer):
                 "zerokern: GradScaler found an inf/nan in the local gradients of some ranks only, so the ranks' "
                 "scalers would back off differently and scale the next gradients differently. This happens when "
                 "the backward before scaler.step() ran under no_sync() (the reduction then happens in step(), "
-                "after the scalers looked). Use zerokern.GradScaler (a torch.amp.GradScaler whose inf check "
+                "after the scalers looked), or when a GradScaler first steps after steps without one. Use "
+                "zerokern.GradScaler (a torch.amp.GradScaler whose inf check "
                 "agrees across ranks), or run the last backward before each step synced")
         return [v > 0 for v in values[:n]], [v > 0 for v in values[n:n + m]], inf_max > 0
 

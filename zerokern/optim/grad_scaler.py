@@ -2,8 +2,7 @@
 
 A plain torch.amp.GradScaler works with FusedZeroAdam when the backward before
 each scaler.step() is synced: the optimizer shares an overflow across ranks at
-the end of that backward, or at stage 2 when the scaler asks
-([Note: overflow on any rank]). When every backward of
+the end of that backward ([Note: overflow on any rank]). When every backward of
 a step ran under no_sync(), the reduction happens inside step(), after each
 scaler has looked at its own rank's local grads only; this subclass then makes
 the found_inf every scaler records (and backs off by) the same on every rank,

@@ -43,11 +43,13 @@ class ReduceSchedule:
         # [Note: stage-2 memory]: stage-2 buckets draw their full buffers from one pool, and at most
         # IN_FLIGHT_BUCKETS of their reductions run at once in backward (the oldest is waited for).
         # A bucket of several params is at most about bucket_cap_mb: those share one buffer size.
+        # [Note: what the pool keeps]: free buffers for a backward's reductions in flight, the two
+        # buckets being filled and the one a tied embedding holds open (zerokern/plan counts those).
         unit = {}
         for b in buckets:
             if b.releases and len(b.plan.tensors) > 1:
                 unit[b.dtype] = max(unit.get(b.dtype, 0), b.plan.padded_numel)
-        self.pool = GradBufferPool(unit)
+        self.pool = GradBufferPool(keep=IN_FLIGHT_BUCKETS + 3, unit=unit)
         self._in_flight = deque()
         for b in buckets:
             if b.releases:

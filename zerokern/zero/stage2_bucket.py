@@ -53,8 +53,7 @@ class ReleasingGradBucket(GradBucket):
         self._base = None  # the pool buffer self.full is a prefix of
         self._scratch = None  # where the running reduction leaves its result, if not in self.shard
         self.has_reduced = False  # the shard holds reductions of this round (see drop_reduced)
-        self.overflow = None  # the agreed inf/nan flag of the shard, once asked for (overflow_flag)
-        self.agree_overflow = None  # FusedZeroAdam.agree_overflow (weakly): sets every bucket's flag
+        self.overflow = None  # the agreed inf/nan flag of the shard (FusedZeroAdam, after backward)
         self._unwritten = set()  # members whose slot of a pooled buffer still holds old bytes
         ends = sorted((s.offset, s.offset + s.numel) for s in (self.layout.slots[i] for i in self.plan.tensors))
         starts = [0] + [e for _, e in ends]
@@ -118,13 +117,11 @@ class ReleasingGradBucket(GradBucket):
                 self.shard[pc.shard_offset:pc.shard_offset + pc.numel].zero_()
 
     def overflow_flag(self) -> torch.Tensor:
-        """1.0 if the reduced shard holds an inf/nan on some rank, else 0: agreed by all ranks the first
-        time it is asked after a reduction (a collective: torch.amp.GradScaler asks on every rank)."""
-        if self.overflow is None and self.agree_overflow is not None and self.agree_overflow() is not None:
-            self.agree_overflow()()
+        """1.0 if the reduced shard holds an inf/nan on some rank (agreed after backward), else 0."""
         if self.overflow is not None:
             return self.overflow
-        flag = torch.zeros((), device=self.device)  # no optimizer to agree with: this rank's
+        # No agreed flag (an interrupted backward, or no scaler seen yet): this rank's.
+        flag = torch.zeros((), device=self.device)
         torch._amp_foreach_non_finite_check_and_unscale_([self.shard], flag, torch.ones((), device=self.device))
         return flag
 

@@ -210,7 +210,6 @@ class FusedZeroAdam(torch.optim.Optimizer):
         if self._overlap_gather:
             self.param_gather.hook_modules(owned)
         self._calls = [UniformCalls(store, pieces, self._group_of) for store, pieces in zip(self.stores, self._pieces)]
-        self._update_chunks = self._chunks()
         self.last_grad_norm = None
         self._clip = None  # (max_norm, norm) from opt.clip_grad_norm_ for the next step
         self._overflow_seen = False  # clip_grad_norm_'s reduction found an overflow (fp16) this round
@@ -552,59 +551,35 @@ class FusedZeroAdam(torch.optim.Optimizer):
         base = grad_scale.float() if grad_scale is not None else torch.ones((), device=clip.device)
         return (base / clip).reshape(1)
 
-    def _chunks(self):
-        """[Note: update as the gather goes] The stores in the order their params are gathered,
-        cut into chunks of about an eighth of the elements: step() updates a chunk, launches its
-        gathers and goes on to the next, so the gathers of the first chunks run while the rest
-        update (before, the whole update came first, then all gathers: on 2 gloo ranks the update
-        of a 17M-param model took 9 ms of the 48 ms step, the gathers 28 ms). Returns lists of
-        (store index, gather index or None)."""
-        gather_index = {id(s): k for k, s in enumerate(self.param_gather.stores)}
-        order = {id(s): k for k, s in enumerate(self.stores)}
-        in_order = self.param_gather.stores or self.stores  # one rank / stage 0: no gathers
-        target = sum(s.exp_avg.numel() for s in self.stores) / 8
-        chunks, chunk, size = [], [], 0
-        for s in in_order:
-            chunk.append((order[id(s)], gather_index.get(id(s))))
-            size += s.exp_avg.numel()
-            if size >= target:
-                chunks.append(chunk)
-                chunk, size = [], 0
-        return chunks + ([chunk] if chunk else [])
-
     def _update(self, had, scale):
-        """The fused update of every shard; each chunk's gathers are launched as soon as it is
-        done ([Note: update as the gather goes])."""
+        """The fused update of every shard, then the gathers of the updated params (in forward order)."""
         if isinstance(scale, torch.Tensor) and self.stores and scale.device != self.stores[0].device:
             scale = scale.to(self.stores[0].device)  # offloaded stores update on the CPU
         uniform = self._uniform_steps and all(had)
-        self.param_gather.wait_all()  # a gather still running from the last step shares the buffers
-        for chunk in self._update_chunks:
-            calls = {}  # (param group, step, with model params) -> (masters, grads, ms, vs, models)
-            for i, _ in chunk:
-                store, pieces, uc = self.stores[i], self._pieces[i], self._calls[i]
-                if not store.master_valid:
-                    store.refresh_master()
-                operands = store.operands()
-                if uniform:
-                    for pg, lists in uc.lists(operands).items():
-                        extend_calls(calls, (pg, self._steps[0] + 1, operands[4] is not None), lists)
-                else:
-                    for t, off, n, _ in pieces:
-                        if had[t]:
-                            views = [None if x is None else x[off:off + n] for x in operands]
-                            extend_calls(calls, (self._group_of[t], self._steps[t] + 1, operands[4] is not None),
-                                         [None if v is None else [v] for v in views])
-            for (pg, step, low), (masters, grads, ms, vs, models) in calls.items():
-                group = self.param_groups[pg]
-                fused_adam_(masters, grads, ms, vs, lr=group["lr"], beta1=group["betas"][0],
-                            beta2=group["betas"][1], eps=group["eps"], weight_decay=group["weight_decay"],
-                            step=step, adam_w_mode=self.options.adam_w_mode,
-                            bias_correction=self.options.bias_correction, grad_scale=scale,
-                            model_params=models if low else None, backend=self.options.backend)
-            for i, _ in chunk:
-                self.stores[i].finish()
-            self.param_gather.launch([k for _, k in chunk if k is not None])
+        calls = {}  # (param group, step, with model params) -> (masters, grads, ms, vs, models)
+        for store, pieces, uc in zip(self.stores, self._pieces, self._calls):
+            if not store.master_valid:
+                store.refresh_master()
+            operands = store.operands()
+            if uniform:
+                for pg, lists in uc.lists(operands).items():
+                    extend_calls(calls, (pg, self._steps[0] + 1, operands[4] is not None), lists)
+            else:
+                for t, off, n, _ in pieces:
+                    if had[t]:
+                        views = [None if x is None else x[off:off + n] for x in operands]
+                        extend_calls(calls, (self._group_of[t], self._steps[t] + 1, operands[4] is not None),
+                                     [None if v is None else [v] for v in views])
+        for (pg, step, low), (masters, grads, ms, vs, models) in calls.items():
+            group = self.param_groups[pg]
+            fused_adam_(masters, grads, ms, vs, lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
+                        eps=group["eps"], weight_decay=group["weight_decay"], step=step,
+                        adam_w_mode=self.options.adam_w_mode, bias_correction=self.options.bias_correction,
+                        grad_scale=scale, model_params=models if low else None, backend=self.options.backend)
+        for store in self.stores:
+            store.finish()
+        # _prepare() waited for the last step's gathers, which share these buffers
+        self.param_gather.launch(range(len(self.param_gather.stores)))
         if uniform:
             self._steps = [s + 1 for s in self._steps]
             self._step_buffer += 1

@@ -28,7 +28,6 @@ is next written on the current stream, so the reuse is ordered after the
 collective without record_stream.
 """
 
-
 import torch
 
 

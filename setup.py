@@ -113,6 +113,7 @@ def extensions():
             sources=[
                 "csrc/torch/ops_cpu.cpp",
                 "csrc/torch/adam_args.cpp",
+                "csrc/torch/adam_cache.cpp",
                 "csrc/torch/flat_ops.cpp",
                 "csrc/cpu/adam_cpu.cpp",
                 "csrc/cpu/cast_cpu.cpp",
@@ -136,6 +137,7 @@ def extensions():
                 sources=[
                     "csrc/torch/ops_cuda.cpp",
                     "csrc/torch/adam_args.cpp",
+                    "csrc/torch/adam_cache.cpp",
                     "csrc/torch/flat_ops.cpp",
                     "csrc/cuda/cast_cuda.cu",
                     "csrc/cuda/adam_cuda.cu",

@@ -61,7 +61,9 @@ int fused_adam_cuda(const AdamTensorList& t, const AdamHyper& hyper, void* strea
   for (int gd = 0; gd < 3; ++gd) {
     for (int od = 0; od < 4; ++od) {
       const std::vector<int64_t>& idx = groups[gd][od];
-      const size_t gsize = gd == static_cast<int>(DType::kFloat32) ? 4 : 2;
+      const int vec = adam_vec_for(gd != static_cast<int>(DType::kFloat32), od == static_cast<int>(DType::kFloat16) ||
+                                                   od == static_cast<int>(DType::kBFloat16));
+      const int64_t tile = static_cast<int64_t>(kThreads) * vec;
       for (size_t begin = 0; begin < idx.size(); begin += kMaxTensorsPerLaunch) {
         const size_t end = std::min(idx.size(), begin + kMaxTensorsPerLaunch);
         batch.count = static_cast<int>(end - begin);
@@ -75,10 +77,11 @@ int fused_adam_cuda(const AdamTensorList& t, const AdamHyper& hyper, void* strea
           batch.exp_avg_sqs[k] = t.exp_avg_sqs[i];
           batch.model_params[k] = has_model ? t.model_params[i] : nullptr;
           batch.numel[k] = t.numel[i];
-          batch.first_tile[k + 1] = batch.first_tile[k] + (t.numel[i] + kTile - 1) / kTile;
+          batch.first_tile[k + 1] = batch.first_tile[k] + (t.numel[i] + tile - 1) / tile;
+          // Every stream moves in 16-byte accesses (see adam_vec).
           batch.aligned[k] = is_aligned(t.params[i], 16) && is_aligned(t.exp_avgs[i], 16) &&
-                             is_aligned(t.exp_avg_sqs[i], 16) && is_aligned(t.grads[i], gsize * kVec) &&
-                             is_aligned(batch.model_params[k], 2 * kVec);
+                             is_aligned(t.exp_avg_sqs[i], 16) && is_aligned(t.grads[i], 16) &&
+                             is_aligned(batch.model_params[k], 16);
         }
         const cudaError_t err = launch(static_cast<DType>(gd), static_cast<DType>(od), batch, hyper, stream);
         if (err != cudaSuccess) return static_cast<int>(err);

@@ -14,9 +14,28 @@
 namespace zerokern {
 namespace cuda {
 
-constexpr int kVec = 4;  // elements per thread per tile: one 16-byte fp32 load
-constexpr int64_t kTile = kThreads * kVec;
 constexpr int kMaxTensorsPerLaunch = 224;
+
+struct NoOut {};  // OutT of a launch with no model params to write
+
+// Elements per thread per tile: 16 bytes of the narrowest stream, so every
+// stream moves in 16-byte accesses (fp32 p/m/v: 4 of them, or 2 x 4 when a
+// grad or model param is 2 bytes wide: then 8 of those fill 16 bytes).
+template <typename GradT, typename OutT>
+__host__ __device__ constexpr int adam_vec() {
+  return (sizeof(GradT) == 2 || (!std::is_same<OutT, NoOut>::value && sizeof(OutT) == 2)) ? 8 : 4;
+}
+
+// The same number on the host, which sizes the tiles (adam_cuda.cu).
+constexpr int adam_vec_for(bool narrow_grad, bool narrow_out) { return narrow_grad || narrow_out ? 8 : 4; }
+static_assert(adam_vec<float, NoOut>() == adam_vec_for(false, false) &&
+                  adam_vec<float, __half>() == adam_vec_for(false, true) &&
+                  adam_vec<float, __nv_bfloat16>() == adam_vec_for(false, true) &&
+                  adam_vec<__half, NoOut>() == adam_vec_for(true, false) &&
+                  adam_vec<__nv_bfloat16, NoOut>() == adam_vec_for(true, false) &&
+                  adam_vec<__nv_bfloat16, __half>() == adam_vec_for(true, true) &&
+                  adam_vec<__half, __nv_bfloat16>() == adam_vec_for(true, true),
+              "host and kernel tile sizes disagree");
 
 struct AdamBatch {
   float* params[kMaxTensorsPerLaunch];
@@ -27,15 +46,13 @@ struct AdamBatch {
   int64_t numel[kMaxTensorsPerLaunch];
   // first_tile[i]: index of tensor i's first tile; first_tile[count] = all tiles.
   int64_t first_tile[kMaxTensorsPerLaunch + 1];
-  bool aligned[kMaxTensorsPerLaunch];  // every pointer allows kVec-wide access
+  bool aligned[kMaxTensorsPerLaunch];  // every pointer allows 16-byte access
   int count;
 };
 
-struct NoOut {};
-
 template <typename GradT, typename OutT>
-__global__ void __launch_bounds__(kThreads) adam_kernel(const __grid_constant__ AdamBatch batch,
-                                                        const AdamHyper hyper) {
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
+    adam_kernel(const __grid_constant__ AdamBatch batch, const AdamHyper hyper) {
   // [Note: skipped steps] found_inf is read on the device so an overflowed
   // fp16 step is skipped without the host ever waiting for the GPU.
   if (hyper.found_inf_ptr != nullptr && *hyper.found_inf_ptr != 0.f) return;
@@ -44,6 +61,8 @@ __global__ void __launch_bounds__(kThreads) adam_kernel(const __grid_constant__ 
   const double scale = hyper.grad_scale_ptr ? *hyper.grad_scale_ptr : hyper.grad_scale;
   const AdamCoeffs c = resolve_coeffs(hyper, lr, step, scale);
   constexpr bool kHasOut = !std::is_same<OutT, NoOut>::value;
+  constexpr int V = adam_vec<GradT, OutT>();
+  constexpr int64_t kTile = static_cast<int64_t>(kThreads) * V;
 
   const int64_t tiles = batch.first_tile[batch.count];
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
@@ -54,26 +73,30 @@ __global__ void __launch_bounds__(kThreads) adam_kernel(const __grid_constant__ 
     float* __restrict__ m = batch.exp_avgs[t];
     float* __restrict__ v = batch.exp_avg_sqs[t];
     const GradT* __restrict__ g = static_cast<const GradT*>(batch.grads[t]);
-    const int64_t i0 = base + static_cast<int64_t>(threadIdx.x) * kVec;
 
-    if (batch.aligned[t] && i0 + kVec <= n) {
-      Pack<float, kVec> pp = *reinterpret_cast<const Pack<float, kVec>*>(p + i0);
-      Pack<float, kVec> mp = *reinterpret_cast<const Pack<float, kVec>*>(m + i0);
-      Pack<float, kVec> vp = *reinterpret_cast<const Pack<float, kVec>*>(v + i0);
-      const Pack<GradT, kVec> gp = *reinterpret_cast<const Pack<GradT, kVec>*>(g + i0);
+    // See [Note: tiles and the fallback] and [Note: vector stores].
+    if (full_vector_tile(batch.aligned[t], base, kTile, n)) {
+      const int64_t i0 = base + static_cast<int64_t>(threadIdx.x) * V;
+      Pack<float, V> pv = load_wide<float, V>(p + i0);
+      Pack<float, V> mv = load_wide<float, V>(m + i0);
+      Pack<float, V> vv = load_wide<float, V>(v + i0);
+      const Pack<GradT, V> gp = load_wide<GradT, V>(g + i0);
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) adam_element(pp.v[k], mp.v[k], vp.v[k], to_float(gp.v[k]), c);
-      *reinterpret_cast<Pack<float, kVec>*>(p + i0) = pp;
-      *reinterpret_cast<Pack<float, kVec>*>(m + i0) = mp;
-      *reinterpret_cast<Pack<float, kVec>*>(v + i0) = vp;
+      for (int k = 0; k < V; ++k) adam_element(pv.v[k], mv.v[k], vv.v[k], to_float(gp.v[k]), c);
+      store_wide<float, V>(p + i0, pv);
+      store_wide<float, V>(m + i0, mv);
+      store_wide<float, V>(v + i0, vv);
       if constexpr (kHasOut) {
-        Pack<OutT, kVec> op;
+        Pack<OutT, V> op;
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) op.v[k] = from_float<OutT>(pp.v[k]);
-        *reinterpret_cast<Pack<OutT, kVec>*>(static_cast<OutT*>(batch.model_params[t]) + i0) = op;
+        for (int k = 0; k < V; ++k) op.v[k] = from_float<OutT>(pv.v[k]);
+        store_wide<OutT, V>(static_cast<OutT*>(batch.model_params[t]) + i0, op);
       }
     } else {
-      for (int64_t i = i0; i < i0 + kVec && i < n; ++i) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const int64_t i = base + k * kThreads + threadIdx.x;
+        if (i >= n) break;
         float pi = p[i], mi = m[i], vi = v[i];
         adam_element(pi, mi, vi, to_float(g[i]), c);
         p[i] = pi;
@@ -91,7 +114,7 @@ template <typename GradT, typename OutT>
 cudaError_t launch_adam(const AdamBatch& batch, const AdamHyper& hyper, cudaStream_t stream) {
   const int64_t tiles = batch.first_tile[batch.count];
   if (tiles == 0) return cudaSuccess;
-  adam_kernel<GradT, OutT><<<blocks_for(tiles), kThreads, 0, stream>>>(batch, hyper);
+  adam_kernel<GradT, OutT><<<blocks_for<adam_kernel<GradT, OutT>>(tiles), kThreads, 0, stream>>>(batch, hyper);
   return cudaGetLastError();
 }
 

@@ -1,7 +1,8 @@
 // CUDA multi-tensor cast-copy (flatten / unflatten): one launch per
 // (src dtype, dst dtype) pair and batch of up to kMaxSegments segments; see
 // [Note: one launch, many tensors] in multi_tensor.cuh. Each thread moves 16
-// bytes of the wider dtype per tile.
+// bytes of the narrower dtype per tile (so 32 of the wider one, in two
+// 16-byte accesses): every access is 128 bits wide.
 #include <algorithm>
 #include <type_traits>
 #include <vector>
@@ -26,7 +27,7 @@ struct CastBatch {
 
 template <typename SrcT, typename DstT>
 __host__ __device__ constexpr int vec_width() {
-  return 16 / (sizeof(SrcT) > sizeof(DstT) ? sizeof(SrcT) : sizeof(DstT));
+  return 16 / (sizeof(SrcT) < sizeof(DstT) ? sizeof(SrcT) : sizeof(DstT));
 }
 
 // Same dtype: move raw bits (no float round trip, so NaN payloads survive).
@@ -37,24 +38,31 @@ __device__ __forceinline__ DstT convert(SrcT x) {
 }
 
 template <typename SrcT, typename DstT>
-__global__ void __launch_bounds__(kThreads) cast_kernel(const __grid_constant__ CastBatch b) {
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSM) cast_kernel(const __grid_constant__ CastBatch b) {
   constexpr int V = vec_width<SrcT, DstT>();
   constexpr int64_t kTile = static_cast<int64_t>(kThreads) * V;
   const int64_t tiles = b.first_tile[b.count];
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const int t = find_tensor(b.first_tile, b.count, tile);
     const int64_t n = b.numel[t];
-    const int64_t i0 = (tile - b.first_tile[t]) * kTile + static_cast<int64_t>(threadIdx.x) * V;
+    const int64_t base = (tile - b.first_tile[t]) * kTile;
     const SrcT* __restrict__ src = static_cast<const SrcT*>(b.src[t]);
     DstT* __restrict__ dst = static_cast<DstT*>(b.dst[t]);
-    if (b.aligned[t] && i0 + V <= n) {
-      const Pack<SrcT, V> in = *reinterpret_cast<const Pack<SrcT, V>*>(src + i0);
+    // See [Note: tiles and the fallback] and [Note: vector stores] in multi_tensor.cuh.
+    if (full_vector_tile(b.aligned[t], base, kTile, n)) {
+      const int64_t i0 = base + static_cast<int64_t>(threadIdx.x) * V;
+      const Pack<SrcT, V> in = load_wide<SrcT, V>(src + i0);
       Pack<DstT, V> out;
 #pragma unroll
       for (int k = 0; k < V; ++k) out.v[k] = convert<SrcT, DstT>(in.v[k]);
-      *reinterpret_cast<Pack<DstT, V>*>(dst + i0) = out;
+      store_wide<DstT, V>(dst + i0, out);
     } else {
-      for (int64_t i = i0; i < i0 + V && i < n; ++i) dst[i] = convert<SrcT, DstT>(src[i]);
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const int64_t i = base + k * kThreads + threadIdx.x;
+        if (i >= n) break;
+        dst[i] = convert<SrcT, DstT>(src[i]);
+      }
     }
   }
 }
@@ -75,10 +83,10 @@ cudaError_t launch_batches(const CastList& l, const std::vector<int64_t>& idx, c
       b.dst[k] = l.dst[i];
       b.numel[k] = l.numel[i];
       b.first_tile[k + 1] = b.first_tile[k] + (l.numel[i] + kTile - 1) / kTile;
-      b.aligned[k] = is_aligned(l.src[i], sizeof(SrcT) * V) && is_aligned(l.dst[i], sizeof(DstT) * V);
+      b.aligned[k] = is_aligned(l.src[i], 16) && is_aligned(l.dst[i], 16);  // 16-byte accesses only
     }
     const int64_t tiles = b.first_tile[b.count];
-    cast_kernel<SrcT, DstT><<<blocks_for(tiles), kThreads, 0, stream>>>(b);
+    cast_kernel<SrcT, DstT><<<blocks_for<cast_kernel<SrcT, DstT>>(tiles), kThreads, 0, stream>>>(b);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }

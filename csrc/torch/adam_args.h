@@ -34,6 +34,21 @@ struct AdamArrays {
   AdamTensorList view() const;
 };
 
+// The two halves of check_adam_args, for a call whose tensors were checked
+// before (adam_cache.h): the numbers, and the one-element tensors, which must
+// be on `device` (params[0]'s).
+void check_adam_hyper(double lr, double beta1, double beta2, double eps, double weight_decay, double step,
+                      bool adam_w_mode, bool bias_correction, double grad_scale, bool step_is_tensor,
+                      bool grad_scale_is_tensor, AdamHyper& hyper);
+void check_adam_scalar_tensors(const std::optional<at::Tensor>& lr_tensor,
+                               const std::optional<at::Tensor>& step_tensor,
+                               const std::optional<at::Tensor>& grad_scale_tensor,
+                               const std::optional<at::Tensor>& found_inf, const c10::Device& device,
+                               AdamHyper& hyper);
+// Each tensor: dtype, device, layout, sizes, aliasing; fills `arrays`.
+void check_adam_tensors(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                        at::TensorList exp_avg_sqs, at::TensorList model_params, AdamArrays& arrays);
+
 // Checks every tensor (dtype, device, layout, sizes, aliasing) and the
 // hyper-parameters; throws c10::TypeError / c10::ValueError (Python TypeError /
 // ValueError) naming the culprit, e.g. "grads[3] has 4097 elements, params[3] has 4096".

@@ -6,12 +6,33 @@
 #include <torch/library.h>
 
 #include "adam_args.h"
+#include "adam_cache.h"
 #include "flat_ops.h"
 #include "zerokern/adam.h"
 #include "zerokern/cast.h"
 
 namespace zerokern {
 namespace {
+
+AdamArraysCache& cache() {
+  static AdamArraysCache c;
+  return c;
+}
+
+// The update on the CPU, after validation (the op's and the cached path's).
+void run_adam_cpu(const AdamArrays& arrays, AdamHyper& h, const c10::Device&) {
+  // On the CPU the one-element tensors are plain memory: read them here.
+  if (h.found_inf_ptr && *h.found_inf_ptr != 0.f) return;
+  if (h.lr_ptr) h.lr = *h.lr_ptr;
+  if (h.step_ptr) h.step = *h.step_ptr;
+  if (h.grad_scale_ptr) h.grad_scale = *h.grad_scale_ptr;
+  TORCH_CHECK_VALUE(h.step >= 1.0, "step must be >= 1 (the 1-based number of the update being made), got ", h.step);
+  TORCH_CHECK_VALUE(std::isfinite(h.grad_scale) && h.grad_scale != 0.0,
+                    "grad_scale must be finite and non-zero, got ", h.grad_scale);
+  h.lr_ptr = h.step_ptr = h.grad_scale_ptr = h.found_inf_ptr = nullptr;
+  // torch.set_num_threads() governs our OpenMP team too.
+  fused_adam_cpu(arrays.view(), h, at::get_num_threads());
+}
 
 void fused_adam_cpu_op(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                        at::TensorList exp_avg_sqs, at::TensorList model_params, double lr, double beta1,
@@ -25,17 +46,10 @@ void fused_adam_cpu_op(at::TensorList params, at::TensorList grads, at::TensorLi
   check_adam_args(params, grads, exp_avgs, exp_avg_sqs, model_params, lr, beta1, beta2, eps, weight_decay,
                   step, adam_w_mode, bias_correction, grad_scale, lr_tensor, step_tensor, grad_scale_tensor,
                   found_inf, arrays, h);
-  // On the CPU the one-element tensors are plain memory: read them here.
-  if (h.found_inf_ptr && *h.found_inf_ptr != 0.f) return;
-  if (h.lr_ptr) h.lr = *h.lr_ptr;
-  if (h.step_ptr) h.step = *h.step_ptr;
-  if (h.grad_scale_ptr) h.grad_scale = *h.grad_scale_ptr;
-  TORCH_CHECK_VALUE(h.step >= 1.0, "step must be >= 1 (the 1-based number of the update being made), got ", h.step);
-  TORCH_CHECK_VALUE(std::isfinite(h.grad_scale) && h.grad_scale != 0.0,
-                    "grad_scale must be finite and non-zero, got ", h.grad_scale);
-  h.lr_ptr = h.step_ptr = h.grad_scale_ptr = h.found_inf_ptr = nullptr;
-  // torch.set_num_threads() governs our OpenMP team too.
-  fused_adam_cpu(arrays.view(), h, at::get_num_threads());
+  if (params.empty()) return;
+  // See [Note: host cost]: the next call with these tensors skips the checks.
+  cache().remember(key_of({params, grads, exp_avgs, exp_avg_sqs, model_params}), arrays, params[0].device());
+  run_adam_cpu(arrays, h, params[0].device());
 }
 
 void launch_cast_cpu(const CastList& l, const at::Tensor&) { cast_copy_cpu(l, at::get_num_threads()); }
@@ -78,9 +92,22 @@ TORCH_LIBRARY_IMPL(zerokern, CPU, m) {
 
 }  // namespace zerokern
 
+namespace {
+PyObject* fused_adam_cached_py(PyObject*, PyObject* args) {
+  return zerokern::fused_adam_cached(args, zerokern::cache(), zerokern::run_adam_cpu, /*release_gil=*/true);
+}
+PyObject* tensor_lists_id_py(PyObject*, PyObject* lists) { return zerokern::tensor_lists_id(lists); }
+
+PyMethodDef methods[] = {
+    {"fused_adam_cached", fused_adam_cached_py, METH_VARARGS,
+     "fused_adam_ on CPU tensors validated before; see [Note: host cost] in csrc/torch/adam_cache.h"},
+    {"tensor_lists_id", tensor_lists_id_py, METH_O, "a number for these tensors' pointers, sizes and dtypes"},
+    {nullptr, nullptr, 0, nullptr}};
+}  // namespace
+
 // A Python module so `import zerokern._C` loads the library (and registers the ops).
 extern "C" PyObject* PyInit__C(void) {
   static PyModuleDef def = {PyModuleDef_HEAD_INIT, "_C", "zerokern CPU operators (torch.ops.zerokern)", -1,
-                            nullptr};
+                            methods};
   return PyModule_Create(&def);
 }

@@ -7,12 +7,25 @@
 #include <torch/library.h>
 
 #include "adam_args.h"
+#include "adam_cache.h"
 #include "flat_ops.h"
 #include "zerokern/adam.h"
 #include "zerokern/cast.h"
 
 namespace zerokern {
 namespace {
+
+AdamArraysCache& cache() {
+  static AdamArraysCache c;
+  return c;
+}
+
+// One or a few launches on the current stream of the params' device.
+void run_adam_cuda(const AdamArrays& arrays, AdamHyper& h, const c10::Device& device) {
+  const c10::cuda::CUDAGuard guard(device);
+  const int err = fused_adam_cuda(arrays.view(), h, at::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == 0, "zerokern fused_adam_ launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(err)));
+}
 
 void fused_adam_cuda_op(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                         at::TensorList exp_avg_sqs, at::TensorList model_params, double lr, double beta1,
@@ -27,9 +40,9 @@ void fused_adam_cuda_op(at::TensorList params, at::TensorList grads, at::TensorL
                   step, adam_w_mode, bias_correction, grad_scale, lr_tensor, step_tensor, grad_scale_tensor,
                   found_inf, arrays, h);
   if (params.empty()) return;
-  const c10::cuda::CUDAGuard guard(params[0].device());
-  const int err = fused_adam_cuda(arrays.view(), h, at::cuda::getCurrentCUDAStream().stream());
-  TORCH_CHECK(err == 0, "zerokern fused_adam_ launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(err)));
+  // See [Note: host cost]: the next call with these tensors skips the checks.
+  cache().remember(key_of({params, grads, exp_avgs, exp_avg_sqs, model_params}), arrays, params[0].device());
+  run_adam_cuda(arrays, h, params[0].device());
 }
 
 void launch_cast_cuda(const CastList& l, const at::Tensor& device_of) {
@@ -52,8 +65,20 @@ TORCH_LIBRARY_IMPL(zerokern, CUDA, m) {
 
 }  // namespace zerokern
 
+namespace {
+PyObject* fused_adam_cached_py(PyObject*, PyObject* args) {
+  // A launch: quick and asynchronous, so the GIL stays (the caching allocator orders frees after it).
+  return zerokern::fused_adam_cached(args, zerokern::cache(), zerokern::run_adam_cuda, /*release_gil=*/false);
+}
+
+PyMethodDef methods[] = {
+    {"fused_adam_cached", fused_adam_cached_py, METH_VARARGS,
+     "fused_adam_ on CUDA tensors validated before; see [Note: host cost] in csrc/torch/adam_cache.h"},
+    {nullptr, nullptr, 0, nullptr}};
+}  // namespace
+
 extern "C" PyObject* PyInit__C_cuda(void) {
   static PyModuleDef def = {PyModuleDef_HEAD_INIT, "_C_cuda", "zerokern CUDA operators (torch.ops.zerokern)", -1,
-                            nullptr};
+                            methods};
   return PyModule_Create(&def);
 }

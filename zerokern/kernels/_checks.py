@@ -39,7 +39,7 @@ def _check_tensor(t, name, i, p0, numel, allowed):
         raise ValueError(f"{where} has {t.numel()} elements, params[{i}] has {numel}")
 
 
-def _check_scalar_tensor(x, name, p0):
+def check_scalar_tensor(x, name, p0):
     if not isinstance(x, torch.Tensor):
         return
     if x.dtype != torch.float32:
@@ -96,7 +96,7 @@ def check_adam_args(params, grads, exp_avgs, exp_avg_sqs, model_params, h: AdamH
                 raise ValueError(
                     f"params[{i}], exp_avgs[{i}] and exp_avg_sqs[{i}] must not share memory")
     for name in ("lr", "step", "grad_scale", "found_inf"):
-        _check_scalar_tensor(getattr(h, name), name, p0)
+        check_scalar_tensor(getattr(h, name), name, p0)
 
 
 # --- flatten / unflatten (csrc/torch/flat_ops.cpp has the same rules) ---

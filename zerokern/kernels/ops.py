@@ -62,8 +62,10 @@ def fused_adam_(
     step is the 1-based number of the update being made. lr, step and
     grad_scale may be one-element tensors on the params' device (no host sync).
     """
-    params, grads, exp_avgs, exp_avg_sqs = list(params), list(grads), list(exp_avgs), list(exp_avg_sqs)
-    model_params = list(model_params) if model_params else None
+    # Lists, which the backends' cached paths read directly (a copy only where it is not one already).
+    params, grads, exp_avgs, exp_avg_sqs = (x if type(x) is list else list(x) for x in (params, grads, exp_avgs,
+                                                                                      exp_avg_sqs))
+    model_params = (model_params if type(model_params) is list else list(model_params)) if model_params else None
     hyper = AdamHyper(_f32_scalar(lr), beta1, beta2, eps, weight_decay, _f32_scalar(step), adam_w_mode,
                       bias_correction, _f32_scalar(grad_scale), found_inf)
     if not params:

@@ -1,12 +1,30 @@
 """The compiled backends, "cpu" (zerokern._C) and "cuda" (zerokern._C_cuda).
 
 Both are the one dispatcher op torch.ops.zerokern.fused_adam_; the tensors'
-device picks the kernel. The op validates its arguments in C++.
+device picks the kernel. The op validates its arguments in C++. An eager call
+first tries the library's fused_adam_cached, which skips the dispatcher and the
+per-tensor checks for tensors the op validated before ([Note: host cost] in
+csrc/torch/adam_cache.h).
 """
+
+import importlib
 
 import torch
 
 from .hyper import AdamHyper
+
+_CACHED = {}  # device type -> the library's fused_adam_cached, or None
+
+
+def cached_call(device_type):
+    """The compiled library's fused_adam_cached for tensors on `device_type`, or None."""
+    if device_type not in _CACHED:
+        module = {"cpu": "zerokern._C", "cuda": "zerokern._C_cuda"}.get(device_type)
+        try:
+            _CACHED[device_type] = getattr(importlib.import_module(module), "fused_adam_cached", None) if module else None
+        except ImportError:
+            _CACHED[device_type] = None
+    return _CACHED[device_type]
 
 
 def _split(x, default):
@@ -16,10 +34,20 @@ def _split(x, default):
     return float(default if x is None else x), None
 
 
-def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, model_params, h: AdamHyper):
+def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, model_params, h: AdamHyper, dry_run=False):
+    """dry_run (bench/host_overhead.py): everything but the update, on tensors the op has seen."""
     lr, lr_t = _split(h.lr, 0.0)
     step, step_t = _split(h.step, 1.0)
     scale, scale_t = _split(h.grad_scale, 1.0)
+    # Not while torch.compile traces: it should see the op (a plain C function would break the graph).
+    cached = (cached_call(params[0].device.type)
+              if params and isinstance(params[0], torch.Tensor) and not torch.compiler.is_compiling() else None)
+    if cached is not None and cached(
+            (params, grads, exp_avgs, exp_avg_sqs, model_params or []), lr, h.beta1, h.beta2, h.eps, h.weight_decay,
+            step, h.adam_w_mode, h.bias_correction, scale, lr_t, step_t, scale_t, h.found_inf, dry_run):
+        return
+    if dry_run:
+        raise RuntimeError("dry_run needs tensors the op has validated before (call once without it)")
     torch.ops.zerokern.fused_adam_(
         params, grads, exp_avgs, exp_avg_sqs, model_params or [],
         lr=lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay, step=step,

@@ -1,18 +1,27 @@
 """Multi-tensor plumbing shared by the Triton kernels.
 
 A launch covers a batch of tensors: their data pointers go in an int64 table,
-each tensor is cut into tiles of BLOCK elements, and a program finds its
-tensor by binary search over the tiles' prefix sums (find_tensor). The table
-is built on the host and copied to the device, once per distinct set of
-pointers and sizes (tile_batch keeps the last few: a training loop calls with
-the same tensors every step, so after the first step no copy is made). A call
-that misses the cache copies, so unlike the CUDA backend this path cannot be
-relied on inside a CUDA graph capture.
+each tensor is cut into tiles of BLOCK elements, one program per tile. A
+program finds its tensor with one load from a tile -> tensor map (a binary
+search over the tiles' prefix sums would be a chain of dependent loads before
+the first data load), then loads that tensor's pointers, first tile and size,
+all independent of each other. The tables are built on the host and copied to
+the device once per distinct set of pointers and sizes (tile_batch keeps the
+last few: a training loop calls with the same tensors every step, so after the
+first step nothing is copied and nothing waits: see [Note: host cost]).
+
+[Note: vector access in Triton]
+Triton vectorizes a load or store when it can prove the address alignment and
+that the mask is constant over a vector. Pointers read from a table prove
+nothing, so the host checks them: when every pointer of a launch is 16-byte
+aligned the kernel is compiled with ALIGNED and hints it (tl.multiple_of).
+Full tiles run unmasked; only a tensor's last, partial tile is masked.
+tests/test_codegen.py compiles every variant for sm_90 and reads the PTX.
 """
 
 import collections
 import contextlib
-import math
+import itertools
 
 import torch
 import triton
@@ -32,21 +41,29 @@ def group_nonempty(tensors, keys):
 
 class TileBatch:
     """Device tables for one launch over `lists` (each a list of tensors of
-    equal sizes, index-aligned): table[j * count + i] is lists[j][i]'s pointer."""
+    equal sizes, index-aligned): table[j * count + i] is lists[j][i]'s pointer,
+    first_tile[i] / numel[i] tensor i's first tile and size, tile_tensor[k] the
+    tensor tile k belongs to. `aligned`: every pointer is a multiple of 16 bytes."""
 
     def __init__(self, lists, block, device):
         numel = [t.numel() for t in lists[0]]
-        first_tile = [0]
-        for n in numel:
-            first_tile.append(first_tile[-1] + triton.cdiv(n, block))
+        tiles = [triton.cdiv(n, block) for n in numel]
+        first_tile = [0, *itertools.accumulate(tiles)]
         table = [t.data_ptr() for lst in lists for t in lst]
-        meta = torch.tensor(table + first_tile + numel, dtype=torch.int64).to(device, non_blocking=True)
+        host = torch.tensor(table + first_tile + numel, dtype=torch.int64)
+        tile_tensor = torch.repeat_interleave(torch.arange(len(numel), dtype=torch.int32), torch.tensor(tiles))
+        if device.type == "cuda":
+            # Pinned, so the copies are asynchronous; kept (self._host) until the batch goes.
+            host, tile_tensor = host.pin_memory(), tile_tensor.pin_memory()
+        self._host = (host, tile_tensor)
+        meta = host.to(device, non_blocking=True)
+        self.tile_tensor = tile_tensor.to(device, non_blocking=True)
         self.count = len(numel)
         self.tiles = first_tile[-1]
+        self.aligned = all(ptr % 16 == 0 for ptr in table)
         self.table = meta[: len(table)]
         self.first_tile = meta[len(table): len(table) + self.count + 1]
         self.numel = meta[len(table) + self.count + 1:]
-        self.search_steps = math.ceil(math.log2(self.count)) if self.count > 1 else 0
 
 
 def device_guard(device):
@@ -77,16 +94,12 @@ def tile_batch(lists, block, device):
 
 
 @triton.jit
-def find_tensor(first_tile_ptr, n_tensors, tile, SEARCH_STEPS: tl.constexpr):
-    """t with first_tile[t] <= tile < first_tile[t + 1]."""
-    lo = tl.zeros((), tl.int32)
-    hi = n_tensors - 1
-    for _ in tl.static_range(SEARCH_STEPS):
-        mid = (lo + hi + 1) // 2
-        go = tl.load(first_tile_ptr + mid) <= tile
-        lo = tl.where(go, mid, lo)
-        hi = tl.where(go, hi, mid - 1)
-    return lo
+def tensor_pointer(table_ptr, j, n_tensors, t, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """Pointer j of tensor t (lists[j][t] of the TileBatch), typed, with the alignment the host proved."""
+    ptr = tl.load(table_ptr + j * n_tensors + t).to(tl.pointer_type(DTYPE))
+    if ALIGNED:  # on the pointer: a hint on the integer is lost in the cast (sm_90 PTX stays scalar)
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
 
 
 @triton.jit

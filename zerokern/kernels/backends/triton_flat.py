@@ -8,20 +8,17 @@ import triton.language as tl
 
 from .._checks import check_flatten_args, check_unflatten_args
 from . import triton_common
-from .triton_common import TL_DTYPE, find_tensor, group_nonempty, tile_batch, to_bf16_rne
+from .triton_common import TL_DTYPE, group_nonempty, tensor_pointer, tile_batch, to_bf16_rne
 
 BLOCK = 2048
 
 
 @triton.jit
-def _cast_kernel(table_ptr, first_tile_ptr, numel_ptr, n_tensors,
-                 SRC_T: tl.constexpr, DST_T: tl.constexpr, SEARCH_STEPS: tl.constexpr, BLOCK: tl.constexpr):
-    tile = tl.program_id(0).to(tl.int64)
-    t = find_tensor(first_tile_ptr, n_tensors, tile, SEARCH_STEPS)
-    offs = (tile - tl.load(first_tile_ptr + t)) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < tl.load(numel_ptr + t)
-    src = tl.load(table_ptr + t).to(tl.pointer_type(SRC_T))
-    dst = tl.load(table_ptr + n_tensors + t).to(tl.pointer_type(DST_T))
+def _cast_tile(src, dst, offs, numel, SRC_T: tl.constexpr, DST_T: tl.constexpr, MASKED: tl.constexpr):
+    if MASKED:
+        mask = offs < numel
+    else:
+        mask = None
     x = tl.load(src + offs, mask=mask)
     if SRC_T == DST_T:
         y = x
@@ -30,6 +27,23 @@ def _cast_kernel(table_ptr, first_tile_ptr, numel_ptr, n_tensors,
     else:
         y = x.to(DST_T)
     tl.store(dst + offs, y, mask=mask)
+
+
+@triton.jit
+def _cast_kernel(table_ptr, tile_tensor_ptr, first_tile_ptr, numel_ptr, n_tensors,
+                 SRC_T: tl.constexpr, DST_T: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    # See [Note: vector access in Triton] in triton_common.py.
+    tile = tl.program_id(0)
+    t = tl.load(tile_tensor_ptr + tile)
+    base = (tile - tl.load(first_tile_ptr + t)) * BLOCK
+    numel = tl.load(numel_ptr + t)
+    src = tensor_pointer(table_ptr, 0, n_tensors, t, SRC_T, ALIGNED)
+    dst = tensor_pointer(table_ptr, 1, n_tensors, t, DST_T, ALIGNED)
+    offs = base + tl.arange(0, BLOCK)
+    if base + BLOCK <= numel:
+        _cast_tile(src, dst, offs, numel, SRC_T, DST_T, MASKED=False)
+    else:
+        _cast_tile(src, dst, offs, numel, SRC_T, DST_T, MASKED=True)
 
 
 def _copy(flat, tensors, offsets, to_flat):
@@ -50,8 +64,8 @@ def _copy(flat, tensors, offsets, to_flat):
     with triton_common.device_guard(flat.device):
         for (sdt, ddt), idx in group_nonempty(srcs, [(s.dtype, d.dtype) for s, d in zip(srcs, dsts)]).items():
             b = tile_batch([[srcs[i] for i in idx], [dsts[i] for i in idx]], BLOCK, flat.device)
-            _cast_kernel[(b.tiles,)](b.table, b.first_tile, b.numel, b.count, SRC_T=TL_DTYPE[sdt],
-                                     DST_T=TL_DTYPE[ddt], SEARCH_STEPS=b.search_steps, BLOCK=BLOCK)
+            _cast_kernel[(b.tiles,)](b.table, b.tile_tensor, b.first_tile, b.numel, b.count, SRC_T=TL_DTYPE[sdt],
+                                     DST_T=TL_DTYPE[ddt], ALIGNED=b.aligned, BLOCK=BLOCK)
 
 
 def flatten(tensors, dtype, offsets, numel):

@@ -249,3 +249,23 @@ def test_threads_calling_with_rotating_tensors_agree_with_one_thread():
     assert not errors and not any(t.is_alive() for t in threads), errors
     for st, ex in zip(sets, expected):
         assert_close_lists(st[0], ex[0], *TOL[torch.float32])
+
+
+@pytest.mark.triton
+@pytest.mark.skipif(ops.unavailable_backends().get("triton") is not None, reason="triton unavailable")
+def test_triton_a_misaligned_tensor_gets_a_launch_of_its_own():
+    """A view at an odd offset cannot take 16-byte accesses; it gets its own launch (compiled
+    without the alignment hint) and leaves the aligned tensors theirs. Same numbers either way."""
+    device = device_for("triton")
+    state = make_state([300, 2000, 513], torch.float32, device)
+    for k in range(4):  # tensor 1 becomes a view one element into a bigger buffer
+        buf = torch.zeros(2001, device=device)
+        buf[1:].copy_(state[k][1])
+        state[k][1] = buf[1:]
+    ref = clone_state(state)
+    run("triton", state, 2)
+    run("torch", ref, 2)
+    plan = triton_adam._PLANS[next(reversed(triton_adam._PLANS))]
+    assert sorted((launch.batch.count, launch.batch.aligned) for launch in plan.launches) == [(1, False), (2, True)]
+    for k in (0, 2, 3):
+        assert_close_lists(state[k], ref[k], *TOL[torch.float32])

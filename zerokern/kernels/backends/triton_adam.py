@@ -16,7 +16,7 @@ import triton.language as tl
 from .._checks import check_adam_args, check_hyper, check_scalar_tensor
 from .hyper import AdamHyper, coefficients
 from . import triton_common
-from .triton_common import TL_DTYPE, TileBatch, group_nonempty, tensor_pointer, tile_batch, to_bf16_rne
+from .triton_common import TL_DTYPE, TileBatch, aligned16, group_nonempty, tensor_pointer, tile_batch, to_bf16_rne
 
 BLOCK = 1024
 
@@ -117,9 +117,13 @@ except ImportError:
 
 def _plan(params, grads, exp_avgs, exp_avg_sqs, model_params):
     device = params[0].device
-    keys = [(g.dtype, model_params[i].dtype if model_params else None) for i, g in enumerate(grads)]
+    # One launch per dtype pair and alignment, so a misaligned tensor (a view at an odd offset)
+    # leaves the others their vector access.
+    lists = [params, grads, exp_avgs, exp_avg_sqs] + ([model_params] if model_params else [])
+    keys = [(g.dtype, model_params[i].dtype if model_params else None, aligned16(lst[i] for lst in lists))
+            for i, g in enumerate(grads)]
     launches = []
-    for (gdt, odt), idx in group_nonempty(params, keys).items():
+    for (gdt, odt, _), idx in group_nonempty(params, keys).items():
         lists = [params, grads, exp_avgs, exp_avg_sqs] + ([model_params] if odt is not None else [])
         batch = tile_batch([[lst[i] for i in idx] for lst in lists], BLOCK, device)
         launches.append(_Launch(batch, TL_DTYPE[gdt], TL_DTYPE[odt] if odt is not None else tl.float16,

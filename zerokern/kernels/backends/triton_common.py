@@ -30,6 +30,11 @@ import triton.language as tl
 TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
+def aligned16(tensors):
+    """Whether every tensor's data starts on a 16-byte boundary (vector access possible)."""
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
 def group_nonempty(tensors, keys):
     """{key: [indices]} of the non-empty tensors, grouped by keys[i] (a dtype pair: one launch each)."""
     groups = {}
@@ -60,7 +65,7 @@ class TileBatch:
         self.tile_tensor = tile_tensor.to(device, non_blocking=True)
         self.count = len(numel)
         self.tiles = first_tile[-1]
-        self.aligned = all(ptr % 16 == 0 for ptr in table)
+        self.aligned = all(ptr % 16 == 0 for ptr in table)  # callers group by alignment (aligned16)
         self.table = meta[: len(table)]
         self.first_tile = meta[len(table): len(table) + self.count + 1]
         self.numel = meta[len(table) + self.count + 1:]

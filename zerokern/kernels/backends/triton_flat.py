@@ -8,7 +8,7 @@ import triton.language as tl
 
 from .._checks import check_flatten_args, check_unflatten_args
 from . import triton_common
-from .triton_common import TL_DTYPE, group_nonempty, tensor_pointer, tile_batch, to_bf16_rne
+from .triton_common import TL_DTYPE, aligned16, group_nonempty, tensor_pointer, tile_batch, to_bf16_rne
 
 BLOCK = 2048
 
@@ -62,7 +62,8 @@ def _copy(flat, tensors, offsets, to_flat):
     srcs = [t if to_flat else v for t, v in fast]
     dsts = [v if to_flat else t for t, v in fast]
     with triton_common.device_guard(flat.device):
-        for (sdt, ddt), idx in group_nonempty(srcs, [(s.dtype, d.dtype) for s, d in zip(srcs, dsts)]).items():
+        keys = [(s.dtype, d.dtype, aligned16((s, d))) for s, d in zip(srcs, dsts)]  # see triton_adam._plan
+        for (sdt, ddt, _), idx in group_nonempty(srcs, keys).items():
             b = tile_batch([[srcs[i] for i in idx], [dsts[i] for i in idx]], BLOCK, flat.device)
             _cast_kernel[(b.tiles,)](b.table, b.tile_tensor, b.first_tile, b.numel, b.count, SRC_T=TL_DTYPE[sdt],
                                      DST_T=TL_DTYPE[ddt], ALIGNED=b.aligned, BLOCK=BLOCK)

@@ -6,7 +6,9 @@
 // allows on Volta and newer), so nothing is copied to the device per call and
 // a call can be captured in a CUDA graph. Each tensor is cut into tiles of
 // blockDim * vector-width elements; blocks walk all tiles of the batch
-// grid-stride and find a tile's tensor by binary search over first_tile. One
+// grid-stride and find a tile's tensor by binary search over first_tile (in
+// the parameter space, a constant bank: a few uniform constant loads, not the
+// chain of dependent global loads a table in memory would cost). One
 // launch thus serves one 1B-element tensor or hundreds of small ones, with
 // 64-bit element offsets throughout.
 #pragma once

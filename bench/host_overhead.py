@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _harness as H  # noqa: E402
 
 from zerokern.kernels import ops  # noqa: E402
-from zerokern.kernels.backends import native, registry  # noqa: E402
+from zerokern.kernels.backends import registry  # noqa: E402
 
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 

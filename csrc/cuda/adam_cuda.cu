@@ -61,8 +61,8 @@ int fused_adam_cuda(const AdamTensorList& t, const AdamHyper& hyper, void* strea
   for (int gd = 0; gd < 3; ++gd) {
     for (int od = 0; od < 4; ++od) {
       const std::vector<int64_t>& idx = groups[gd][od];
-      const int vec = adam_vec_for(gd != static_cast<int>(DType::kFloat32), od == static_cast<int>(DType::kFloat16) ||
-                                                   od == static_cast<int>(DType::kBFloat16));
+      const bool narrow_out = od == static_cast<int>(DType::kFloat16) || od == static_cast<int>(DType::kBFloat16);
+      const int vec = adam_vec(gd != static_cast<int>(DType::kFloat32), narrow_out);
       const int64_t tile = static_cast<int64_t>(kThreads) * vec;
       for (size_t begin = 0; begin < idx.size(); begin += kMaxTensorsPerLaunch) {
         const size_t end = std::min(idx.size(), begin + kMaxTensorsPerLaunch);

@@ -20,22 +20,11 @@ struct NoOut {};  // OutT of a launch with no model params to write
 
 // Elements per thread per tile: 16 bytes of the narrowest stream, so every
 // stream moves in 16-byte accesses (fp32 p/m/v: 4 of them, or 2 x 4 when a
-// grad or model param is 2 bytes wide: then 8 of those fill 16 bytes).
-template <typename GradT, typename OutT>
-__host__ __device__ constexpr int adam_vec() {
-  return (sizeof(GradT) == 2 || (!std::is_same<OutT, NoOut>::value && sizeof(OutT) == 2)) ? 8 : 4;
+// grad or model param is 2 bytes wide: then 8 of those fill 16 bytes). The
+// kernel and the host (which sizes the tiles, adam_cuda.cu) both ask this.
+__host__ __device__ constexpr int adam_vec(bool narrow_grad, bool narrow_out) {
+  return narrow_grad || narrow_out ? 8 : 4;
 }
-
-// The same number on the host, which sizes the tiles (adam_cuda.cu).
-constexpr int adam_vec_for(bool narrow_grad, bool narrow_out) { return narrow_grad || narrow_out ? 8 : 4; }
-static_assert(adam_vec<float, NoOut>() == adam_vec_for(false, false) &&
-                  adam_vec<float, __half>() == adam_vec_for(false, true) &&
-                  adam_vec<float, __nv_bfloat16>() == adam_vec_for(false, true) &&
-                  adam_vec<__half, NoOut>() == adam_vec_for(true, false) &&
-                  adam_vec<__nv_bfloat16, NoOut>() == adam_vec_for(true, false) &&
-                  adam_vec<__nv_bfloat16, __half>() == adam_vec_for(true, true) &&
-                  adam_vec<__half, __nv_bfloat16>() == adam_vec_for(true, true),
-              "host and kernel tile sizes disagree");
 
 struct AdamBatch {
   float* params[kMaxTensorsPerLaunch];
@@ -61,7 +50,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
   const double scale = hyper.grad_scale_ptr ? *hyper.grad_scale_ptr : hyper.grad_scale;
   const AdamCoeffs c = resolve_coeffs(hyper, lr, step, scale);
   constexpr bool kHasOut = !std::is_same<OutT, NoOut>::value;
-  constexpr int V = adam_vec<GradT, OutT>();
+  constexpr int V = adam_vec(sizeof(GradT) == 2, kHasOut);
   constexpr int64_t kTile = static_cast<int64_t>(kThreads) * V;
 
   const int64_t tiles = batch.first_tile[batch.count];

@@ -95,9 +95,8 @@ struct alignas(sizeof(T) * V) Pack {
 // into a store per element when the kernel also has a scalar path (sm_90 SASS:
 // four STG.E for four floats, eight STG.E.U16 for eight halves; memcpy into a
 // uint4 or a union does not help either). So stores are written in PTX: one
-// st.global.v4.b32 (or .v2 for 8 bytes) of the Pack's bits, which ptxas emits
-// as one plain STG.E.128 / STG.E.64. tests/test_codegen.py reads the SASS to
-// keep it that way.
+// st.global.v4.b32 of the Pack's 16 bytes, which ptxas emits as one plain
+// STG.E.128. tests/test_codegen.py reads the SASS to keep it that way.
 template <typename T, int V>
 __device__ __forceinline__ Pack<T, V> load_pack(const T* ptr) {
   return *reinterpret_cast<const Pack<T, V>*>(ptr);
@@ -105,15 +104,11 @@ __device__ __forceinline__ Pack<T, V> load_pack(const T* ptr) {
 
 template <typename T, int V>
 __device__ __forceinline__ void store_pack(T* ptr, const Pack<T, V>& pack) {
-  static_assert(sizeof(pack) == 16 || sizeof(pack) == 8, "vector stores are 8 or 16 bytes");
-  uint32_t w[sizeof(pack) / 4];
+  static_assert(sizeof(pack) == 16, "vector stores are 16 bytes");
+  uint32_t w[4];
   memcpy(w, &pack, sizeof(pack));
-  if constexpr (sizeof(pack) == 16) {
-    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3])
-                 : "memory");
-  } else {
-    asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(ptr), "r"(w[0]), "r"(w[1]) : "memory");
-  }
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3])
+               : "memory");
 }
 
 // V elements at ptr as 16-byte accesses (V * sizeof(T) a multiple of 16).

@@ -80,6 +80,18 @@ bool optional_tensor(PyObject* obj, std::optional<at::Tensor>& out) {
   return true;
 }
 
+// The entry with `key` in a most-recent-last list, moved last; nullptr if there is none.
+template <typename Entries, typename KeyOf>
+typename Entries::value_type* touch(Entries& entries, const TensorListsKey& key, KeyOf key_of) {
+  for (auto it = entries.rbegin(); it != entries.rend(); ++it) {
+    if (key_of(*it) == key) {
+      std::rotate(std::next(it).base(), std::next(it).base() + 1, entries.end());
+      return &entries.back();
+    }
+  }
+  return nullptr;
+}
+
 // torch's mapping of c10 errors to Python exceptions, for the errors the checks raise.
 PyObject* raise(PyObject* type, const char* message) {
   PyErr_SetString(type, message);
@@ -132,17 +144,9 @@ std::shared_ptr<const AdamArraysCache::Entry> AdamArraysCache::find(const Tensor
 }
 
 std::shared_ptr<const AdamArraysCache::Entry> AdamArraysCache::find_locked(const TensorListsKey& key) {
-  for (auto it = entries_.rbegin(); it != entries_.rend(); ++it) {
-    if ((*it)->key == key) {
-      std::shared_ptr<const Entry> hit = *it;
-      if (it != entries_.rbegin()) {  // most recent last
-        entries_.erase(std::next(it).base());
-        entries_.push_back(hit);
-      }
-      return hit;
-    }
-  }
-  return nullptr;
+  const auto key_of_entry = [](const std::shared_ptr<const Entry>& e) -> const TensorListsKey& { return e->key; };
+  const std::shared_ptr<const Entry>* hit = touch(entries_, key, key_of_entry);
+  return hit ? *hit : nullptr;
 }
 
 void AdamArraysCache::remember(TensorListsKey key, AdamArrays arrays, c10::Device device) {
@@ -231,13 +235,8 @@ PyObject* tensor_lists_id(PyObject* lists) {
   } catch (const std::exception& e) {
     return raise(PyExc_RuntimeError, e.what());
   }
-  for (auto it = known.rbegin(); it != known.rend(); ++it) {
-    if (it->key == key) {
-      const uint64_t id = it->id;
-      std::rotate(std::next(it).base(), std::next(it).base() + 1, known.end());  // most recent last
-      return PyLong_FromUnsignedLongLong(id);
-    }
-  }
+  if (const Known* hit = touch(known, key, [](const Known& k) -> const TensorListsKey& { return k.key; }))
+    return PyLong_FromUnsignedLongLong(hit->id);
   if (known.size() == kKnown) known.erase(known.begin());
   known.push_back(Known{std::move(key), next_id++});
   return PyLong_FromUnsignedLongLong(known.back().id);

@@ -124,7 +124,6 @@ def _plan(params, grads, exp_avgs, exp_avg_sqs, model_params):
             for i, g in enumerate(grads)]
     launches = []
     for (gdt, odt, _), idx in group_nonempty(params, keys).items():
-        lists = [params, grads, exp_avgs, exp_avg_sqs] + ([model_params] if odt is not None else [])
         batch = tile_batch([[lst[i] for i in idx] for lst in lists], BLOCK, device)
         launches.append(_Launch(batch, TL_DTYPE[gdt], TL_DTYPE[odt] if odt is not None else tl.float16,
                                 odt is not None))

@@ -23,6 +23,7 @@ from ..zero import checkpoint
 from ..zero.api import make_unit, unit_of
 from ..zero.param_gather import ParamGather
 from ..zero.schedule import ReduceSchedule
+from ..zero.stage3 import Stage3Runtime
 from ..zero.store import ShardStore
 from .hyper import check_hyper
 from .update_lists import UniformCalls, extend_calls
@@ -160,6 +161,12 @@ class FusedZeroAdam(torch.optim.Optimizer):
                 "zerokern.shard(module): the gather is waited for in the forward pre-hooks of the modules that "
                 "own the params, so every trainable param must be in a zerokern.shard() unit (shard each block, "
                 "then the root), or leave overlap_param_gather off")
+        if config.stage == 3 and loose:
+            raise ValueError(
+                f"zerokern: zero_stage=3, but params[{next(k for k, p in enumerate(all_params) if p is loose[0])}] "
+                "is not sharded with zerokern.shard(module, stage=3): at stage 3 params are gathered in the "
+                "forward hooks of the modules that own them, so every trainable param must be in a unit (shard "
+                "each block, then the root)")
         self._check_same_on_every_rank(all_params, config)
         if self._trainable:
             resolve(backend, self._trainable[0].device)  # an unknown or unusable backend fails here
@@ -191,6 +198,11 @@ class FusedZeroAdam(torch.optim.Optimizer):
         for u in self.units:
             u.schedule = self.schedule
         self._broadcast_params()  # before the stores read their masters
+        # [Note: stage-3 params] in zero/stage3.py: each rank keeps its slices, the units gather in forward
+        self.stage3 = None
+        if config.stage == 3 and self.comm.distributed:
+            self.stage3 = Stage3Runtime(forward_order(owned, index), self.comm, config.reshard_after_forward)
+            self.stage3.shard_all()
         self.stores = [ShardStore(f, b, config.offload) for f, b in placed]
         self._members = [[tindex[f.params[i]] for i in f.layout.buckets[b].tensors] for f, b in placed]
         self._steps = [0] * len(self._trainable)
@@ -200,7 +212,7 @@ class FusedZeroAdam(torch.optim.Optimizer):
         self._step_buffer = torch.zeros(len(self._trainable), dtype=torch.float32)
         self._pieces = [self._init_state(store, tindex) for store in self.stores]
         # [Note: gather behind forward]: the next forward uses the buckets in the reverse of backward's order
-        gathered = self.comm.distributed and self.zero_stage >= 1
+        gathered = self.comm.distributed and self.zero_stage in (1, 2)  # stage 3 gathers in the forward
         in_order = self.stores[::-1]
         if config.overlap_param_gather:  # unit by unit, as the forward reaches them (sort is stable)
             position = {id(u): k for k, u in enumerate(forward_order(owned, index))}
@@ -409,6 +421,8 @@ class FusedZeroAdam(torch.optim.Optimizer):
         params had grads and which buckets need reducing, and those are reduced."""
         self.param_gather.wait_all()  # adopt() below and the update write the params
         self.schedule.reset()
+        if self.stage3 is not None:
+            self.stage3.reshard_all()  # the update writes the slices; a gathered unit would go stale
         self._check_frozen()
         for u in self.units:
             u.sync_from_model()
@@ -601,6 +615,7 @@ class FusedZeroAdam(torch.optim.Optimizer):
         """This rank's shard in torch.optim.AdamW's format: per param, views of this rank's
         slice (flattened) of "exp_avg", "exp_avg_sq" (and "master_param" for fp16/bf16
         params), "step"; every param-group key; and under "zerokern" where the slices lie."""
+        self._refuse_at_stage3("state_dict()")
         self.param_gather.wait_all()
         return checkpoint.shard_state_dict(self)
 
@@ -608,6 +623,7 @@ class FusedZeroAdam(torch.optim.Optimizer):
         """Collective (call on every rank): the whole state in torch.optim.AdamW's
         format on rank 0 (plus the fp32 master weights under "zerokern_master"),
         None on the other ranks."""
+        self._refuse_at_stage3("full_state_dict()")
         self.param_gather.wait_all()
         return checkpoint.full_state_dict(self)
 
@@ -615,8 +631,15 @@ class FusedZeroAdam(torch.optim.Optimizer):
         """A shard saved by this rank at this world size and layout, or a full
         state dict (from full_state_dict() at any world size, or from
         torch.optim.AdamW for the same params), re-sharded to this world size."""
+        self._refuse_at_stage3("load_state_dict()")
         self.param_gather.wait_all()
         checkpoint.load_state_dict(self, state_dict)
+
+    def _refuse_at_stage3(self, what):
+        if self.stage3 is not None:
+            raise NotImplementedError(
+                f"zerokern: FusedZeroAdam.{what} at zero_stage=3 is not offered yet (checkpoints of sharded params "
+                "are future work); use stage 2 to checkpoint, or save and load nothing at stage 3")
 
     # --- the rest of the Optimizer API -------------------------------------
 
@@ -643,7 +666,10 @@ class FusedZeroAdam(torch.optim.Optimizer):
         rep = {"params": 0, "master_params": 0, "adam_state": 0, "grads": 0, "comm_buffers": 0}
         for s in self.stores:
             buf = s.flat.param_bufs.buffers[s.b]
-            rep["params"] += buf.numel() * buf.element_size()
+            if s.flat.param_shards is not None:  # stage 3: the slice, and the full buffer while gathered
+                rep["params"] += s.param_shard().numel() * buf.element_size() + buf.untyped_storage().nbytes()
+            else:
+                rep["params"] += buf.numel() * buf.element_size()
             for d in (s.nbytes(), s.bucket.nbytes()):
                 for k, v in d.items():
                     rep[k] += v

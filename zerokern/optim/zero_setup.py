@@ -28,7 +28,9 @@ def sharding(units, zero_stage, process_group, bucket_cap_mb, overlap_comm, offl
                              "to shard() only")
         return units[0].comm, config
     if zero_stage == 3:
-        raise ValueError("zero_stage=3 (sharded parameters) is not offered yet; use 0, 1 or 2")
+        raise ValueError("zero_stage=3 shards the params too, so they are gathered in the forward hooks of the "
+                         "modules that own them: shard the model with zerokern.shard(block, stage=3) for each "
+                         "block, then zerokern.shard(model, stage=3), and build FusedZeroAdam(model.parameters())")
     if isinstance(zero_stage, bool) or zero_stage not in (None, 0, 1, 2):
         raise ValueError(f"zero_stage must be None, 0, 1 or 2, got {zero_stage!r}")
     comm = Comm(process_group)

@@ -77,19 +77,23 @@ def _forward_pre_hook(module, args):
 
 def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket_cap_mb: float = 25.0,
           overlap_comm: bool = True, offload: Optional[OffloadPolicy] = None,
-          overlap_param_gather: bool = False) -> torch.nn.Module:
+          overlap_param_gather: bool = False, reshard_after_forward: bool = True) -> torch.nn.Module:
     """Make `module` a unit: its trainable params not owned by a unit inside it are
     flattened into buckets that one FusedZeroAdam (built later over the params)
     reduces, updates and gathers. Call it on each block, then on the root. Returns
     `module` (the same object). overlap_param_gather: step() returns before the updated params
     are gathered; each unit waits for its own in its next forward, a module holding a param in
     its state_dict() too (code that reads params directly in between calls
-    opt.finish_param_gather() first; [Note: gather behind forward] in zero/param_gather.py)."""
+    opt.finish_param_gather() first; [Note: gather behind forward] in zero/param_gather.py).
+    stage=3 shards the params too: once the optimizer is built, each rank keeps its slice and a
+    unit's params are gathered for its forward and backward only (reshard_after_forward=False
+    keeps them from forward to backward); [Note: stage-3 params] in zero/stage3.py."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"shard() takes an nn.Module, got {type(module).__name__}")
     if isinstance(module, ZeroModule):
         raise ValueError(f"{type(module).__name__} is already sharded (zerokern.shard was called on it)")
-    config = ShardConfig(stage, bucket_cap_mb, overlap_comm, offload, overlap_param_gather=overlap_param_gather)
+    config = ShardConfig(stage, bucket_cap_mb, overlap_comm, offload, overlap_param_gather=overlap_param_gather,
+                         reshard_after_forward=reshard_after_forward)
     params, names, runs, run, last_owned = [], [], [], 0, False
     seen: Dict[int, bool] = {}
     for name, p in module.named_parameters(remove_duplicate=True):

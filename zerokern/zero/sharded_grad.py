@@ -27,10 +27,12 @@ _FOREACH_ZERO = torch.ops.aten._foreach_zero_.default
 
 class ShardedGrad(torch.Tensor):
     @staticmethod
-    def __new__(cls, param: torch.Tensor, name: str, bucket, index: int):
-        return torch.Tensor._make_wrapper_subclass(cls, param.shape, dtype=param.dtype, device=param.device)
+    def __new__(cls, param: torch.Tensor, name: str, bucket, index: int, shape=None):
+        # shape: the param's full shape (at stage 3 its data is empty while its unit is sharded)
+        return torch.Tensor._make_wrapper_subclass(cls, shape if shape is not None else param.shape,
+                                                   dtype=param.dtype, device=param.device)
 
-    def __init__(self, param, name, bucket, index):
+    def __init__(self, param, name, bucket, index, shape=None):
         self.param_name, self.bucket, self.index = name, bucket, index
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -59,7 +61,7 @@ class ShardedGrad(torch.Tensor):
             return None
         culprit = next(a for a in _flat(args, kwargs) if isinstance(a, ShardedGrad))
         raise RuntimeError(
-            f"zerokern: {func.__name__} on the gradient of {culprit.param_name}: at zero_stage=2 the averaged gradient "
+            f"zerokern: {func.__name__} on the gradient of {culprit.param_name}: at zero_stage=2 and 3 the averaged gradient "
             "is sharded inside the optimizer once backward has reduced it, and .grad is a placeholder without "
             "values (the full buffer was freed: that is stage 2's memory saving). Clip with "
             "opt.clip_grad_norm_(max_norm) or FusedZeroAdam(max_grad_norm=...) (its return value and "

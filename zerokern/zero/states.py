@@ -27,3 +27,11 @@ class GatherState(enum.Enum):
 
     CURRENT = "current"  # every rank's slice holds the last update's values
     GATHERING = "gathering"  # the all-gather runs: only this rank's slice is current; nothing may read or write
+
+
+class ParamState(enum.Enum):
+    """Where one stage-3 unit's params stand (UnitParams owns it)."""
+
+    SHARDED = "sharded"  # this rank holds its slices only; the params' data is empty
+    GATHERING = "gathering"  # the all-gathers run into the full buffers: nothing may read them yet
+    GATHERED = "gathered"  # the full buffers hold every rank's slice; the params view them

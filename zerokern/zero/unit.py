@@ -52,7 +52,11 @@ class OffloadPolicy:
 @dataclass(frozen=True)
 class ShardConfig:
     """How a unit is sharded. stage: 0 (replicated, all-reduce, as DDP), 1
-    (optimizer state sharded), 2 (gradients too: full buffers freed after the step)."""
+    (optimizer state sharded), 2 (gradients too: full buffers freed as they are reduced), 3
+    (params too: gathered for the unit's forward and backward only, [Note: stage-3 params] in
+    stage3.py). reshard_after_forward (stage 3): free the unit's full params after its forward
+    and gather them again for its backward (False keeps them until backward, trading memory
+    for one gather, as FSDP2's option of the same name)."""
 
     stage: int = 2
     bucket_cap_mb: float = 25.0
@@ -60,12 +64,18 @@ class ShardConfig:
     offload: Optional[OffloadPolicy] = None
     align: int = 16
     overlap_param_gather: bool = False  # [Note: gather behind forward] in param_gather.py
+    reshard_after_forward: bool = True  # stage 3 only
 
     def __post_init__(self):
-        if self.stage == 3:
-            raise ValueError("stage=3 (sharded parameters) is not offered yet; use 0, 1 or 2")
-        if isinstance(self.stage, bool) or self.stage not in (0, 1, 2):
-            raise ValueError(f"stage must be 0, 1 or 2, got {self.stage!r}")
+        if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"stage must be 0, 1, 2 or 3, got {self.stage!r}")
+        if not isinstance(self.reshard_after_forward, bool):
+            raise TypeError(f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}")
+        if self.stage == 3 and self.overlap_param_gather:
+            raise ValueError("overlap_param_gather is for stages 1 and 2: at stage 3 every unit's params are "
+                             "gathered in its forward (the next unit's gather prefetched); leave it off")
+        if self.stage == 3 and self.offload is not None:
+            raise ValueError("offload at stage 3 is not offered yet; use stage=2 with offload, or stage=3 without")
         if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, (int, float)):
             raise TypeError(f"bucket_cap_mb must be a number, got {type(self.bucket_cap_mb).__name__}")
         if not 0 < self.bucket_cap_mb < float("inf"):
@@ -83,6 +93,8 @@ class FlatParams:
 
     def __init__(self, params, names, breaks, comm, config: ShardConfig, unit_name: str):
         self.params, self.names = params, names
+        self.unit_name = unit_name
+        self.shapes = [p.shape for p in params]  # at stage 3 p.shape is [0] while the unit is sharded
         self.dtype, self.device = params[0].dtype, params[0].device
         self.sharded = config.stage >= 1
         shard_world = comm.world_size if self.sharded else 1
@@ -94,7 +106,11 @@ class FlatParams:
         reduce_scatter = self.sharded and comm.distributed
         dt = str(self.dtype).replace("torch.", "")
         # [Note: stage-2 memory]: full grad buffers live only until their reduction completes
-        self.releases = config.stage == 2 and reduce_scatter
+        self.releases = config.stage >= 2 and reduce_scatter
+        # [Note: stage-3 params]: this rank keeps only its slice of each param bucket (set by
+        # shard_params(); the full buffers then hold values only while the unit is gathered)
+        self.shards_params = config.stage == 3 and comm.distributed
+        self.param_shards: Optional[List[torch.Tensor]] = None
         if self.releases:
             self.buckets = [ReleasingGradBucket(self.layout, b, self.dtype, self.device, comm, self.rank, True,
                                                 f"{unit_name}:{dt}:{b.index}", on_release=self._released,
@@ -117,16 +133,31 @@ class FlatParams:
 
     def bind_grad(self, i: int) -> None:
         """params[i].grad becomes its bucket view, holding the grad it has now (if any)."""
-        p, bucket = self.params[i], self.bucket_of(i)
-        if bucket.is_view(i, p.grad, p.shape) or isinstance(p.grad, ShardedGrad):
+        p, bucket, shape = self.params[i], self.bucket_of(i), self.shapes[i]
+        if bucket.is_view(i, p.grad, shape) or isinstance(p.grad, ShardedGrad):
             return
         if p.grad is not None:
-            view = bucket.view_for_overwrite(i, p.shape)
+            view = bucket.view_for_overwrite(i, shape)
             view.copy_(p.grad)  # a fresh grad from autograd, or one assigned by hand
             bucket.note_write()
         else:
-            view = bucket.view(i, p.shape)
-        p.grad = self.bound[i] = view
+            view = bucket.view(i, shape)
+        self.set_grad(i, view)
+
+    def set_grad(self, i: int, grad: Optional[torch.Tensor]) -> None:
+        """params[i].grad = grad, remembered as bound. torch checks a grad's shape against the
+        param's when it is assigned; a stage-3 param whose unit is sharded has data of shape [0]
+        ([Note: stage-3 params]), so it stands in a stride-0 view of the full shape (no copy) for
+        the assignment."""
+        p = self.params[i]
+        if grad is not None and p.shape != grad.shape:
+            held = p.data
+            p.data = held.new_zeros(1).expand(self.shapes[i])
+            p.grad = grad
+            p.data = held
+        else:
+            p.grad = grad
+        self.bound[i] = grad
 
     # --- stage 2 ([Note: stage-2 memory], [Note: stage-2 .grad]) -------------------------
 
@@ -136,8 +167,8 @@ class FlatParams:
         gives a param unused on one rank the averaged grad."""
         for i in bucket.plan.tensors:
             p = self.params[i]
-            if bucket.is_view(i, p.grad, p.shape) or p.grad is None:
-                p.grad = self.bound[i] = ShardedGrad(p, self.names[i], bucket, i)
+            if bucket.is_view(i, p.grad, self.shapes[i]) or p.grad is None:
+                self.set_grad(i, ShardedGrad(p, self.names[i], bucket, i, self.shapes[i]))
 
     def sync_grad(self, i: int) -> None:
         """What the user did to params[i].grad since the runtime bound it: a grad assigned by hand
@@ -151,7 +182,7 @@ class FlatParams:
             self.take_grad_change(i)
         if g is None:
             bucket.clear_got(i)
-        elif not bucket.is_view(i, g, p.shape):
+        elif not bucket.is_view(i, g, self.shapes[i]):
             self.bind_grad(i)
             bucket.mark_got(i, False)
 
@@ -181,19 +212,45 @@ class FlatParams:
         into the buffer (taken from the pool), which so needs no zeroing ([Note: zeroing on
         demand] in stage2_bucket.py)."""
         p, bucket = self.params[i], self.bucket_of(i)
-        if bucket.is_view(i, p.grad, p.shape):
+        if bucket.is_view(i, p.grad, self.shapes[i]):
             return
         self.take_grad_change(i)
         if isinstance(p.grad, torch.Tensor) and not isinstance(p.grad, ShardedGrad):
-            view = bucket.view_for_overwrite(i, p.shape)
+            view = bucket.view_for_overwrite(i, self.shapes[i])
             view.copy_(p.grad)
             bucket.note_write()
-            p.grad = self.bound[i] = view
+            self.set_grad(i, view)
         else:
-            p.grad = self.bound[i] = None
+            self.set_grad(i, None)
 
     def param_shard(self, b: int) -> torch.Tensor:
+        """This rank's slice of param bucket b: a view of the full buffer, or at stage 3 (once
+        shard_params() ran) a tensor of its own that outlives the full buffer's storage."""
+        if self.param_shards is not None:
+            return self.param_shards[b]
         return self.param_bufs.shard(self.rank, b)
+
+    # --- stage 3 ([Note: stage-3 params] in stage3.py) --------------------------------
+
+    def shard_params(self) -> None:
+        """Keep a copy of this rank's slice of every param bucket (the full buffers still hold
+        the whole params; UnitParams frees them)."""
+        self.param_shards = [self.param_bufs.shard(self.rank, b).clone() for b in range(len(self.layout.buckets))]
+
+    def bind_full(self) -> None:
+        """The unit was gathered: each param's data is its view of the full buffer again."""
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                p.data = self.param_bufs.view(i, self.shapes[i])
+                self.ptrs[i] = p.data_ptr()
+
+    def bind_empty(self, placeholder: torch.Tensor) -> None:
+        """The unit is being sharded: each param's data becomes `placeholder` (no elements),
+        so a read outside the unit's forward and backward sees an empty tensor, never freed memory."""
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                p.data = placeholder
+                self.ptrs[i] = p.data_ptr()
 
     def check_moved(self, i: int) -> None:
         """A clear error for a param moved to another device or dtype after it was sharded."""
@@ -209,6 +266,12 @@ class FlatParams:
         .data assigned): copy its values into the bucket and make it a view again."""
         self.check_moved(i)
         p = self.params[i]
+        if self.shards_params:
+            raise RuntimeError(
+                f"zerokern: {self.names[i]} (unit '{self.unit_name}'): its data was replaced (p.data = ..., model.to() that copies, "
+                "to_empty()), but at stage 3 a param holds data only inside its unit's forward and backward "
+                "and the optimizer keeps this rank's slice; replacing it is not offered at stage 3. Load "
+                "weights before building the optimizer, or use stage 2")
         view = self.param_bufs.view(i, p.shape)
         with torch.no_grad():
             if not torch.equal(view, p.data):
@@ -220,9 +283,9 @@ class FlatParams:
 
     def unbind_released(self) -> None:
         """After the full grad buffers were released: the .grad views go too."""
-        for i, p in enumerate(self.params):
+        for i in range(len(self.params)):
             if self.bucket_of(i).full is None:
-                p.grad = self.bound[i] = None
+                self.set_grad(i, None)
 
 
 class ShardUnit:
@@ -238,6 +301,7 @@ class ShardUnit:
         self.param_owners = []  # (module, param) for every module holding a param, tied ones each time
         self.module = lambda: None  # zerokern.shard: a weak reference to the unit's module
         self.sync = True  # False: backward accumulates locally (no_sync / set_requires_gradient_sync(False))
+        self.after_grad = None  # stage 3: called (unit) after each of its params' grads (stage3.py)
         self.flat: List[FlatParams] = []
         trainable = [k for k, p in enumerate(params) if p.requires_grad]
         for dtype in sorted({params[k].dtype for k in trainable}, key=str):
@@ -285,6 +349,8 @@ class ShardUnit:
             bucket.mark_got(i, self.sync)
             if self.schedule is not None and self.sync:
                 self.schedule.on_grad(bucket)
+            if self.after_grad is not None:
+                self.after_grad(self)
         return hook
 
     def sync_from_model(self) -> None:
@@ -309,15 +375,19 @@ class ShardUnit:
                     continue
                 bucket = f.bucket_of(i)
                 if bucket.full is None:
-                    p.grad = f.bound[i] = None
-                elif g is not bound or not bucket.is_view(i, g, p.shape):
-                    p.grad = f.bound[i] = bucket.view(i, p.shape)
+                    f.set_grad(i, None)
+                elif g is not bound or not bucket.is_view(i, g, f.shapes[i]):
+                    f.set_grad(i, bucket.view(i, f.shapes[i]))
 
     def adopt_replacement(self, owner, attr, p, q) -> None:
         """owner.<attr> was replaced by another tensor q (load_state_dict(assign=True)): p takes
         q's values and its place back, so the optimizer keeps training what the model uses."""
         where = self.locate(p)
         name = where[0].names[where[1]] if where else attr
+        if where and where[0].shards_params:
+            raise RuntimeError(f"zerokern: {name} was replaced by another tensor (load_state_dict(assign=True)?), "
+                               "but at stage 3 the optimizer keeps this rank's slice of it and loading new values "
+                               "is not offered at stage 3 yet; load the weights before zerokern.shard()")
         if not isinstance(q, torch.Tensor) or q.shape != p.shape:
             raise RuntimeError(f"zerokern: {name} was replaced by {type(q).__name__} "
                                f"{list(q.shape) if isinstance(q, torch.Tensor) else ''}; a sharded param can "

@@ -1,0 +1,167 @@
+"""Rank functions for tests/test_stage3.py: params sharded too, gathered unit by unit for the
+forward and backward ([Note: stage-3 params] in zerokern/zero/stage3.py)."""
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import zerokern
+from numerics import abs_diff
+from param_gather_workers import BATCH, V, TinyGPT, _data
+from zerokern.zero.states import ParamState
+
+
+class CkptGPT(TinyGPT):
+    """TinyGPT (tied head, a weight read without calling its module) whose blocks may run under
+    activation checkpointing."""
+
+    def __init__(self, layers, ckpt=None):
+        super().__init__(layers)
+        self.ckpt = ckpt  # None, "reentrant" or "non-reentrant"
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe.weight[: idx.shape[1]] + self.shift
+        for k, b in enumerate(self.blocks):
+            if k in self.skip:
+                continue
+            x = b(x) if self.ckpt is None else checkpoint(b, x, use_reentrant=self.ckpt == "reentrant")
+        return self.head(self.ln_f(x))
+
+
+def _loss(model, idx):
+    logits = model(idx[:, :-1])
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, V), idx[:, 1:].reshape(-1))
+
+
+def _model(stage, layers, ckpt, dtype, cap_mb, reshard_after_forward=True, max_grad_norm=None):
+    torch.manual_seed(0)
+    model = CkptGPT(layers, ckpt).to(dtype)
+    kw = dict(stage=stage, bucket_cap_mb=cap_mb)
+    if stage == 3:
+        kw["reshard_after_forward"] = reshard_after_forward
+    for b in model.blocks:
+        zerokern.shard(b, **kw)
+    zerokern.shard(model, **kw)
+    return model, zerokern.FusedZeroAdam(model.parameters(), lr=1e-2, weight_decay=0.01, max_grad_norm=max_grad_norm)
+
+
+def _full_params(model, opt):
+    """Every param's full values (a stage-3 model is gathered for the read, then freed again)."""
+    if opt.stage3 is not None:
+        for up in opt.stage3.units:
+            up.unshard()
+    out = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if opt.stage3 is not None:
+        opt.stage3.reshard_all()
+    return out
+
+
+def _states(opt):
+    return [up.state for up in opt.stage3.units]
+
+
+def train(rank, world, dtype="float32", ckpt=None, reshard_after_forward=True, accumulate=False,
+          max_grad_norm=None, cap_mb=0.002, steps=10, layers=3, skip=()):
+    """Stage 3 against stage 2 on the same ranks (the same reductions and kernels: the same bits)
+    and against torch.optim.AdamW on one process over the full batch. Also records what is
+    gathered when: between steps nothing, during a block's forward at most the root, that block
+    and the next (prefetched) one."""
+    dtype = getattr(torch, dtype)
+    runs = {s: _model(s, layers, ckpt, dtype, cap_mb, reshard_after_forward, max_grad_norm) for s in (2, 3)}
+    torch.manual_seed(0)
+    ref = CkptGPT(layers)  # fp32, one process, the whole batch
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+    model, opt = runs[3]
+    model.skip = ref.skip = runs[2][0].skip = set(skip)
+    out = {"losses": {2: [], 3: []}, "gathered_in_block": [], "next_ready": [], "after_backward": [],
+           "after_step": [], "param_shapes_between": None, "nbytes_between": [], "nbytes_full": None}
+    units = opt.stage3.units
+    block_units = [next(up for up in units if up.unit.module() is b) for b in model.blocks]
+    for k, b in enumerate(model.blocks):
+        def look(*_, k=k):
+            if torch._C._current_graph_task_id() != -1:
+                return  # a recompute in backward
+            out["gathered_in_block"].append(sum(up.state is not ParamState.SHARDED for up in units))
+            if k + 1 < len(block_units) and k + 1 not in model.skip:
+                out["next_ready"].append(block_units[k + 1].state is not ParamState.SHARDED)
+        b.ln.register_forward_pre_hook(look)  # runs after the unit's own hook (registered on the block)
+    out["param_shapes_between"] = sorted({tuple(p.shape) for p in model.parameters()})
+    for step in range(steps):
+        idx = _data(step, world)
+        mine = idx[rank * BATCH:(rank + 1) * BATCH]
+        for s, (m, o) in runs.items():
+            o.zero_grad()
+            if accumulate:
+                half = BATCH // 2 + 1
+                with o.no_sync():
+                    (_loss(m, mine[:half]) * half / BATCH).backward()
+                loss = _loss(m, mine[half:]) * (BATCH - half) / BATCH
+            else:
+                loss = _loss(m, mine)
+            loss.backward()
+            if s == 3:
+                out["after_backward"].append(all(st is ParamState.SHARDED for st in _states(o)))
+            o.step()
+            if s == 3:
+                out["after_step"].append(all(st is ParamState.SHARDED for st in _states(o)))
+                out["nbytes_between"].append(sum(up.nbytes() for up in units))
+            out["losses"][s].append(loss.item())
+        ref_opt.zero_grad()
+        _loss(ref, idx).backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm)
+        ref_opt.step()
+    out["nbytes_full"] = sum(p.numel() * p.element_size() for p in _full_params(*runs[2]).values())
+    with torch.no_grad():  # evaluation: gathered for the forward, freed after it
+        ev = {s: m(_data(99, 1)[:, :-1]) for s, (m, _) in runs.items()}
+    out["eval_equal"] = torch.equal(ev[2], ev[3])
+    out["after_eval"] = all(st is ParamState.SHARDED for st in _states(opt))
+    p2, p3 = _full_params(*runs[2]), _full_params(*runs[3])
+    out["equal_to_stage2"] = all(torch.equal(p2[k], p3[k]) for k in p2)
+    out["losses_equal"] = out["losses"][2] == out["losses"][3]
+    out["max_diff_ref"] = max(abs_diff(p3[k], v) for k, v in ref.named_parameters())
+    return out
+
+
+def scaler_overflow(rank, world):
+    """fp16 params with torch.amp.GradScaler; an inf in rank 1's loss at step 2: every rank skips
+    and backs off alike, and stage 3 gives stage 2's bits."""
+    runs = {s: _model(s, 2, None, torch.float16, 0.002) for s in (2, 3)}
+    scalers = {s: torch.amp.GradScaler("cpu", init_scale=1024.0) for s in runs}
+    scales = {s: [] for s in runs}
+    for step in range(5):
+        idx = _data(step, world)[rank * BATCH:(rank + 1) * BATCH]
+        for s, (m, o) in runs.items():
+            o.zero_grad()
+            loss = _loss(m, idx)
+            if step == 2 and rank == 1:
+                loss = loss * float("inf")
+            scalers[s].scale(loss).backward()
+            scalers[s].step(o)
+            scalers[s].update()
+            scales[s].append(scalers[s].get_scale())
+    p2, p3 = _full_params(*runs[2]), _full_params(*runs[3])
+    return {"scales": scales, "equal_to_stage2": all(torch.equal(p2[k], p3[k]) for k in p2),
+            "finite": all(bool(torch.isfinite(v).all()) for v in p3.values())}
+
+
+def errors(rank, world):
+    """What stage 3 refuses, with the fix named, on every rank alike (nothing hangs)."""
+    model, opt = _model(3, 1, None, torch.float32, 25.0)
+    out = {}
+    for name, call in (("model.state_dict", model.state_dict), ("block.state_dict", model.blocks[0].state_dict),
+                       ("opt.state_dict", opt.state_dict), ("opt.full_state_dict", opt.full_state_dict),
+                       ("model.load_state_dict", lambda: model.load_state_dict({}))):
+        try:
+            call()
+            out[name] = None
+        except NotImplementedError as e:
+            out[name] = str(e)
+    with torch.no_grad():
+        model.blocks[0].fc1.weight.data = torch.zeros(2 * 16, 16)
+    try:
+        opt.step()
+        out["replaced data"] = None
+    except RuntimeError as e:
+        out["replaced data"] = str(e)
+    out["empty_between"] = model.blocks[0].fc2.weight.shape == (0,)
+    return out

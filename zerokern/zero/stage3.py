@@ -1,0 +1,233 @@
+"""Stage 3: the params are sharded too, and gathered unit by unit for the forward and backward
+that need them.
+
+[Note: stage-3 params] At stage 3 each rank keeps only its slice of every param bucket
+(FlatParams.param_shards: the fp32 master for fp32 params, which the fused update writes in
+place, or the fp16/bf16 slice the update writes next to its fp32 master). A unit's full buffers
+hold values only while the unit is GATHERED; their storage is freed (resized to 0 bytes, the
+tensor objects stay) otherwise. Between gathers a param's .data is an empty tensor of its dtype
+and device, as DeepSpeed's stage 3 leaves it: code that reads a param outside its unit's forward
+and backward sees an empty tensor and fails on its shape, never reads freed memory (on a CPU a
+tensor over freed storage is a segfault), and its full shape is kept in FlatParams.shapes.
+
+The storage is resized in place rather than replaced, so tensors that autograd saved in the
+forward (views such as weight.t() share the buffer's storage) read the values gathered again
+before the unit's backward. A param's .data swap does not touch its version counter, so the
+saved params pass autograd's version check.
+
+When (UnitParams says which phase each unit is in, ParamState; Stage3Runtime decides when):
+- forward: a unit's forward pre-hook gathers it (waiting for a prefetch), then launches the
+  gather of the unit the last forward ran next (prefetch, as FSDP2's forward prefetch);
+  its post-hook frees it (reshard_after_forward=True), except the outermost unit, whose
+  backward comes first (FSDP2 keeps its root too), and registers a hook on the outputs;
+- backward: the first gradient reaching a unit's outputs gathers it again and launches the
+  gather of the unit whose backward comes next (the reverse of the order the units finished
+  their forwards); once every trainable param of the unit has its gradient (the grad hooks
+  count), the unit is freed; the end of backward frees whatever is left (unused params);
+- step() frees every unit before the update (a forward under no_grad with
+  reshard_after_forward=False, an interrupted backward) so nothing stale is read after it.
+Every rank must run the same units in the same order (as FSDP2 requires): the gathers are
+collectives. A forward inside backward (activation checkpointing recomputing a unit) gathers
+the unit and leaves it gathered for its backward.
+"""
+
+from typing import Dict, List
+
+import torch
+import torch.utils._pytree as pytree
+from torch.autograd.graph import register_multi_grad_hook
+
+from .states import ParamState
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _refuse(unit_name, what):
+    def hook(module, *_):
+        raise NotImplementedError(
+            f"zerokern: {type(module).__name__}.{what} at stage 3: the params of unit '{unit_name}' are sharded "
+            "(each rank holds a slice; outside the unit's forward and backward the params are empty), and "
+            "checkpoints of stage-3 models are not offered yet. Use stage 2 to checkpoint")
+    return hook
+
+
+class UnitParams:
+    """One stage-3 unit's params: the one place that says whether they are gathered (ParamState)."""
+
+    def __init__(self, unit, comm):
+        self.unit, self.comm = unit, comm
+        self.flats = [f for f in unit.flat if f.shards_params]
+        self.name = unit.name
+        self.trainable = sum(len(f.params) for f in self.flats)
+        self.got = 0  # params of the unit whose grad arrived since it was last gathered for backward
+        self.state = ParamState.GATHERED  # built from the whole module
+        self._works = []
+        self._empty = {}
+
+    def shard(self) -> None:
+        """At construction (after the optimizer's broadcast): keep this rank's slices, free the rest."""
+        for f in self.flats:
+            for b, buf in enumerate(f.param_bufs.buffers):
+                if buf.storage_offset() != 0 or buf.untyped_storage().nbytes() != buf.numel() * buf.element_size():
+                    f.param_bufs.buffers[b] = buf.clone()  # a buffer that owns its storage, to free it whole
+            f.shard_params()
+        self.reshard()
+
+    def launch(self) -> None:
+        """SHARDED -> GATHERING: every rank's slices are gathered into the full buffers."""
+        if self.state is not ParamState.SHARDED:
+            return
+        with torch.no_grad():
+            for f in self.flats:
+                for b, buf in enumerate(f.param_bufs.buffers):
+                    buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+                    start, end = f.layout.rank_range(f.rank, b)
+                    mine = buf[start:end]
+                    mine.copy_(f.param_shards[b])
+                    self._works.append(self.comm.all_gather(buf, mine, name=f"all_gather[{f.buckets[b].name}]"))
+        self.state = ParamState.GATHERING
+
+    def wait(self) -> None:
+        """GATHERING -> GATHERED: the params view the full buffers."""
+        if self.state is not ParamState.GATHERING:
+            return
+        for w in self._works:
+            self.comm.wait(w)
+        self._works = []
+        for f in self.flats:
+            f.bind_full()
+        self.state = ParamState.GATHERED
+
+    def unshard(self) -> None:
+        self.launch()
+        self.wait()
+
+    def reshard(self) -> None:
+        """-> SHARDED: the params' data becomes empty and the full buffers' storage is freed."""
+        self.wait()  # a gather in flight writes the buffers; every rank launched it, so it completes
+        self.got = 0
+        if self.state is not ParamState.GATHERED:
+            return
+        for f in self.flats:
+            key = (f.dtype, f.device)
+            if key not in self._empty:
+                self._empty[key] = torch.empty(0, dtype=f.dtype, device=f.device)
+            f.bind_empty(self._empty[key])
+            for buf in f.param_bufs.buffers:
+                buf.untyped_storage().resize_(0)
+        self.state = ParamState.SHARDED
+
+    def nbytes(self) -> int:
+        """Bytes of param memory this rank holds now: its slices and any full buffer."""
+        return sum(t.numel() * t.element_size() for f in self.flats for t in f.param_shards) + sum(
+            buf.untyped_storage().nbytes() for f in self.flats for buf in f.param_bufs.buffers)
+
+
+class Stage3Runtime:
+    """The hooks that gather and free the stage-3 units of one optimizer, and their order."""
+
+    def __init__(self, units, comm, reshard_after_forward: bool):
+        """units: the zerokern.shard units in the order a forward first reaches them."""
+        self.reshard_after_forward = reshard_after_forward
+        self.units = [UnitParams(u, comm) for u in units]
+        self._of: Dict[int, UnitParams] = {id(u): up for u, up in zip(units, self.units)}
+        self.order: List[UnitParams] = list(self.units)  # pre-forward order of the last forward
+        self.backward_order: List[UnitParams] = self.units[::-1]  # the reverse of post-forward order
+        self._pre: List[UnitParams] = []  # the running forward's orders, recorded as it goes
+        self._post: List[UnitParams] = []
+        self._depth = 0  # unit forwards running (nested)
+        self._end_queued = False
+        for u, up in zip(units, self.units):
+            module = u.module()
+            module.register_forward_pre_hook(self._pre_forward_hook(up))
+            module.register_forward_hook(self._post_forward_hook(up), always_call=True)
+            u.after_grad = self._after_grad
+            for owner in {id(m): m for m in [module] + [m for m, _ in u.param_owners]}.values():
+                owner.register_state_dict_pre_hook(_refuse(u.name, "state_dict()"))
+                owner.register_load_state_dict_pre_hook(_refuse(u.name, "load_state_dict()"))
+
+    def shard_all(self) -> None:
+        for up in self.units:
+            up.shard()
+
+    def reshard_all(self) -> None:
+        for up in self.units:
+            up.reshard()
+
+    @staticmethod
+    def _next(order, up):
+        k = next((j for j, x in enumerate(order) if x is up), None)
+        return order[k + 1] if k is not None and k + 1 < len(order) else None
+
+    # --- forward ---------------------------------------------------------------
+
+    def _pre_forward_hook(self, up):
+        def hook(module, args):
+            if _in_backward():  # activation checkpointing recomputes the unit inside backward
+                self._queue_end_of_backward()
+                up.unshard()
+                return
+            if self._depth == 0:  # a new forward
+                self._pre, self._post = [], []
+                self._end_queued = False  # a backward that raised never ran its callback
+            self._depth += 1
+            if up not in self._pre:
+                self._pre.append(up)
+            up.unshard()
+            nxt = self._next(self.order, up)
+            if nxt is not None:
+                nxt.launch()
+        return hook
+
+    def _post_forward_hook(self, up):
+        def hook(module, args, output):
+            if _in_backward():
+                return  # gathered for its backward, which follows
+            self._depth -= 1
+            if up not in self._post:
+                self._post.append(up)
+            grad = torch.is_grad_enabled()
+            if grad:
+                tensors = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+                if tensors:
+                    register_multi_grad_hook(tensors, lambda _grads: self._pre_backward(up), mode="any")
+            if self._depth > 0:
+                if self.reshard_after_forward or not grad:
+                    up.reshard()
+                return
+            # the outermost unit's forward ended: the orders of this forward are the ones to follow
+            seen = set(map(id, self._pre))
+            self.order = self._pre + [x for x in self.order if id(x) not in seen]
+            self.backward_order = self._post[::-1] + [x for x in self.backward_order if id(x) not in seen]
+            for x in self.units:  # a prefetch no unit used; everything when no backward follows
+                if not grad or id(x) not in seen:
+                    x.reshard()
+        return hook
+
+    # --- backward --------------------------------------------------------------
+
+    def _queue_end_of_backward(self) -> None:
+        if not self._end_queued:
+            self._end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _pre_backward(self, up) -> None:
+        self._queue_end_of_backward()
+        up.unshard()
+        nxt = self._next(self.backward_order, up)
+        if nxt is not None:
+            nxt.launch()
+
+    def _after_grad(self, unit) -> None:
+        up = self._of.get(id(unit))
+        if up is None or up.state is ParamState.SHARDED:
+            return
+        up.got += 1
+        if up.got >= up.trainable:
+            up.reshard()  # every param of the unit has its grad: nothing in backward reads them again
+
+    def _end_of_backward(self) -> None:
+        self._end_queued = False
+        self.reshard_all()

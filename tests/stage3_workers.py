@@ -165,3 +165,105 @@ def errors(rank, world):
         out["replaced data"] = str(e)
     out["empty_between"] = model.blocks[0].fc2.weight.shape == (0,)
     return out
+
+
+def _init_root(model):
+    """init= for the root unit: its own params (wte/head tied, wpe, shift, ln_f)."""
+    torch.nn.init.normal_(model.wte.weight, std=0.02)
+    torch.nn.init.normal_(model.wpe.weight, std=0.02)
+    torch.nn.init.zeros_(model.shift)
+    model.ln_f.reset_parameters()
+
+
+def meta_init(rank, world, steps=4):
+    """A model built on the meta device, sharded unit by unit: the ranks hold rank 0's initial
+    values (reset_parameters() for the blocks, init= for the root, the head still tied), and it
+    trains as torch.optim.AdamW on one process from those values."""
+    torch.manual_seed(1234 + rank)  # different seeds: the values must come from rank 0
+    with torch.device("meta"):
+        model = CkptGPT(3)
+    for b in model.blocks:
+        zerokern.shard(b, stage=3, bucket_cap_mb=0.002)
+    zerokern.shard(model, stage=3, bucket_cap_mb=0.002, init=_init_root)
+    opt = zerokern.FusedZeroAdam(model.parameters(), lr=1e-2, weight_decay=0.01)
+    out = {"meta_left": [n for n, t in list(model.named_parameters()) + list(model.named_buffers())
+                         if t.device.type == "meta"],
+           "tied": model.head.weight is model.wte.weight}
+    start = _full_params(model, opt)
+    out["start"] = {k: v for k, v in start.items() if k in ("blocks.0.fc1.weight", "wte.weight", "shift")}
+    out["ln_ones"] = bool((start["blocks.1.ln.weight"] == 1).all() and (start["ln_f.weight"] == 1).all())
+    bound = 1 / 16 ** 0.5  # nn.Linear(16, 32)'s kaiming-uniform bound
+    w = start["blocks.0.fc1.weight"]
+    out["linear_in_bound"] = bool((w.abs() <= bound).all() and w.std() > bound / 4)
+    ref = CkptGPT(3)
+    ref.load_state_dict(start, strict=False)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+    for step in range(steps):
+        idx = _data(step, world)
+        opt.zero_grad()
+        _loss(model, idx[rank * BATCH:(rank + 1) * BATCH]).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        _loss(ref, idx).backward()
+        ref_opt.step()
+    end = _full_params(model, opt)
+    out["max_diff_ref"] = max(abs_diff(end[k], v) for k, v in ref.named_parameters())
+    return out
+
+
+class WideBlock(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(d)
+        self.fc1, self.fc2 = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.fc2(torch.relu(self.fc1(self.ln(x))))
+
+
+class WideNet(torch.nn.Module):
+    def __init__(self, d, layers, vocab):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.blocks = torch.nn.ModuleList(WideBlock(d) for _ in range(layers))
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def _peak_rss():
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def too_large_for_one_rank(rank, world, d=512, layers=16, vocab=2048, steps=3):
+    """A model whose training state (16 bytes/param with Adam in fp32) is over the per-rank budget
+    trains at stage 3 from a meta-device init; the process's peak resident memory (getrusage:
+    what the OS counted, allocator slack included) grows by less than the budget. Also the peak
+    while materialising stays under the size of the whole model's params."""
+    base = _peak_rss()
+    with torch.device("meta"):
+        model = WideNet(d, layers, vocab)
+    n_params = sum(p.numel() for p in model.parameters())
+    for b in model.blocks:
+        zerokern.shard(b, stage=3)
+    zerokern.shard(model, stage=3)
+    after_init = _peak_rss() - base
+    opt = zerokern.FusedZeroAdam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(steps):
+        idx = torch.randint(0, vocab, (2, 33), generator=g)
+        opt.zero_grad()
+        logits = model(idx[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), idx[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {"n_params": n_params, "after_init": after_init, "peak": _peak_rss() - base, "losses": losses,
+            "report": opt.memory_report()}

@@ -23,7 +23,7 @@ from ..zero import checkpoint
 from ..zero.api import make_unit, unit_of
 from ..zero.param_gather import ParamGather
 from ..zero.schedule import ReduceSchedule
-from ..zero.stage3 import Stage3Runtime
+from ..zero.stage3 import runtime_for
 from ..zero.store import ShardStore
 from .hyper import check_hyper
 from .update_lists import UniformCalls, extend_calls
@@ -199,10 +199,11 @@ class FusedZeroAdam(torch.optim.Optimizer):
             u.schedule = self.schedule
         self._broadcast_params()  # before the stores read their masters
         # [Note: stage-3 params] in zero/stage3.py: each rank keeps its slices, the units gather in forward
+        # (zerokern.shard sharded them already; the runtime gathers them in forward and backward)
         self.stage3 = None
         if config.stage == 3 and self.comm.distributed:
-            self.stage3 = Stage3Runtime(forward_order(owned, index), self.comm, config.reshard_after_forward)
-            self.stage3.shard_all()
+            self.stage3 = runtime_for(self.comm)
+            self.stage3.expect_order(forward_order(owned, index))
         self.stores = [ShardStore(f, b, config.offload) for f, b in placed]
         self._members = [[tindex[f.params[i]] for i in f.layout.buckets[b].tensors] for f, b in placed]
         self._steps = [0] * len(self._trainable)
@@ -256,7 +257,7 @@ class FusedZeroAdam(torch.optim.Optimizer):
         if not self.comm.distributed:
             return
         works = [self.comm.broadcast(buf, name="broadcast_params") for u in self.units for f in u.flat
-                 for buf in f.param_bufs.buffers]
+                 if f.param_shards is None for buf in f.param_bufs.buffers]  # stage 3: shard() did it
         frozen = [p.data if p.data.is_contiguous() else p.data.contiguous() for _, p in self._frozen]
         works += [self.comm.broadcast(t, name="broadcast_params") for t in frozen]
         for w in works:
@@ -422,7 +423,7 @@ class FusedZeroAdam(torch.optim.Optimizer):
         self.param_gather.wait_all()  # adopt() below and the update write the params
         self.schedule.reset()
         if self.stage3 is not None:
-            self.stage3.reshard_all()  # the update writes the slices; a gathered unit would go stale
+            self.stage3.reshard_all(self.units)  # the update writes the slices; a gathered unit would go stale
         self._check_frozen()
         for u in self.units:
             u.sync_from_model()

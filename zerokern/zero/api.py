@@ -16,12 +16,14 @@ params itself.
 """
 
 import weakref
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .comm import Comm
+from .materialize import materialize
+from .stage3 import runtime_for
 from .unit import OffloadPolicy, ShardConfig, ShardUnit
 
 # param -> the unit that owns it. Weak: a param that dies (or a deepcopy's new
@@ -77,7 +79,8 @@ def _forward_pre_hook(module, args):
 
 def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket_cap_mb: float = 25.0,
           overlap_comm: bool = True, offload: Optional[OffloadPolicy] = None,
-          overlap_param_gather: bool = False, reshard_after_forward: bool = True) -> torch.nn.Module:
+          overlap_param_gather: bool = False, reshard_after_forward: bool = True, device=None,
+          init: Optional[Callable[[torch.nn.Module], None]] = None) -> torch.nn.Module:
     """Make `module` a unit: its trainable params not owned by a unit inside it are
     flattened into buckets that one FusedZeroAdam (built later over the params)
     reduces, updates and gathers. Call it on each block, then on the root. Returns
@@ -87,13 +90,22 @@ def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket
     opt.finish_param_gather() first; [Note: gather behind forward] in zero/param_gather.py).
     stage=3 shards the params too: once the optimizer is built, each rank keeps its slice and a
     unit's params are gathered for its forward and backward only (reshard_after_forward=False
-    keeps them from forward to backward); [Note: stage-3 params] in zero/stage3.py."""
+    keeps them from forward to backward); [Note: stage-3 params] in zero/stage3.py. At stage 3
+    the module may be on the meta device: its own params are then materialised on `device` (None:
+    the current CUDA device if there is one, else the CPU), initialised by reset_parameters() or
+    init(module), and sharded before shard() returns ([Note: meta init] in zero/materialize.py)."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"shard() takes an nn.Module, got {type(module).__name__}")
     if isinstance(module, ZeroModule):
         raise ValueError(f"{type(module).__name__} is already sharded (zerokern.shard was called on it)")
     config = ShardConfig(stage, bucket_cap_mb, overlap_comm, offload, overlap_param_gather=overlap_param_gather,
                          reshard_after_forward=reshard_after_forward)
+    if init is not None and not callable(init):
+        raise TypeError(f"init must be a callable taking the module, got {type(init).__name__}")
+    if stage == 3:
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        materialize(module, torch.device(device), init, lambda m: isinstance(m, ZeroModule))
     params, names, runs, run, last_owned = [], [], [], 0, False
     seen: Dict[int, bool] = {}
     for name, p in module.named_parameters(remove_duplicate=True):
@@ -116,8 +128,10 @@ def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket
     for p, n in zip(params, names):
         if p.device.type == "meta":
             raise ValueError(f"zerokern.shard: {n} is on the meta device; materialise the module first "
-                             "(module.to_empty(device=...) and initialise it)")
-    unit = make_unit(params, names, runs, Comm(process_group), config, type(module).__name__)
+                             "(module.to_empty(device=...) and initialise it), or shard it with stage=3, which "
+                             "materialises one unit at a time")
+    comm = Comm(process_group)
+    unit = make_unit(params, names, runs, comm, config, type(module).__name__)
     unit.module_slots = []
     for p, n in zip(params, names):
         if p.requires_grad:
@@ -128,6 +142,8 @@ def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket
     unit.module = weakref.ref(module)  # the module holds the unit; not the other way round
     module._zerokern_unit = unit
     module.register_forward_pre_hook(_forward_pre_hook)
+    if stage == 3 and comm.distributed:
+        runtime_for(comm).add(unit)  # [Note: stage-3 params]: this rank keeps its slice from now on
     cls = module.__class__
     if cls not in _CLASSES:
         _CLASSES[cls] = type(f"Zero{cls.__name__}", (ZeroModule, cls), {})

@@ -31,6 +31,7 @@ collectives. A forward inside backward (activation checkpointing recomputing a u
 the unit and leaves it gathered for its backward.
 """
 
+import weakref
 from typing import Dict, List
 
 import torch
@@ -67,11 +68,17 @@ class UnitParams:
         self._empty = {}
 
     def shard(self) -> None:
-        """At construction (after the optimizer's broadcast): keep this rank's slices, free the rest."""
+        """At zerokern.shard(): every rank takes rank 0's values (as DDP's construction does), keeps
+        its slices and frees the rest (the forward gathers them)."""
+        works = []
         for f in self.flats:
             for b, buf in enumerate(f.param_bufs.buffers):
                 if buf.storage_offset() != 0 or buf.untyped_storage().nbytes() != buf.numel() * buf.element_size():
-                    f.param_bufs.buffers[b] = buf.clone()  # a buffer that owns its storage, to free it whole
+                    buf = f.param_bufs.buffers[b] = buf.clone()  # a buffer that owns its storage, to free it whole
+                works.append(self.comm.broadcast(buf, name="broadcast_params"))
+        for w in works:
+            self.comm.wait(w)
+        for f in self.flats:
             f.shard_params()
         self.reshard()
 
@@ -125,35 +132,60 @@ class UnitParams:
             buf.untyped_storage().nbytes() for f in self.flats for buf in f.param_bufs.buffers)
 
 
-class Stage3Runtime:
-    """The hooks that gather and free the stage-3 units of one optimizer, and their order."""
+# One runtime per process group: the stage-3 units sharded over it, in one forward order. Weak:
+# the units' module hooks keep a runtime alive as long as a model uses it.
+_RUNTIMES = weakref.WeakValueDictionary()
 
-    def __init__(self, units, comm, reshard_after_forward: bool):
-        """units: the zerokern.shard units in the order a forward first reaches them."""
-        self.reshard_after_forward = reshard_after_forward
-        self.units = [UnitParams(u, comm) for u in units]
-        self._of: Dict[int, UnitParams] = {id(u): up for u, up in zip(units, self.units)}
-        self.order: List[UnitParams] = list(self.units)  # pre-forward order of the last forward
-        self.backward_order: List[UnitParams] = self.units[::-1]  # the reverse of post-forward order
+
+def runtime_for(comm) -> "Stage3Runtime":
+    key = id(comm.group)
+    rt = _RUNTIMES.get(key)
+    if rt is None or rt.group is not comm.group:
+        rt = _RUNTIMES[key] = Stage3Runtime(comm)
+    return rt
+
+
+class Stage3Runtime:
+    """The hooks that gather and free the stage-3 units of one process group, and their order."""
+
+    def __init__(self, comm):
+        self.comm, self.group = comm, comm.group
+        self.units: List[UnitParams] = []
+        self._of: Dict[int, UnitParams] = {}
+        self.order: List[UnitParams] = []  # pre-forward order of the last forward
+        self.backward_order: List[UnitParams] = []  # the reverse of the last forward's post-forward order
         self._pre: List[UnitParams] = []  # the running forward's orders, recorded as it goes
         self._post: List[UnitParams] = []
         self._depth = 0  # unit forwards running (nested)
         self._end_queued = False
-        for u, up in zip(units, self.units):
-            module = u.module()
-            module.register_forward_pre_hook(self._pre_forward_hook(up))
-            module.register_forward_hook(self._post_forward_hook(up), always_call=True)
-            u.after_grad = self._after_grad
-            for owner in {id(m): m for m in [module] + [m for m, _ in u.param_owners]}.values():
-                owner.register_state_dict_pre_hook(_refuse(u.name, "state_dict()"))
-                owner.register_load_state_dict_pre_hook(_refuse(u.name, "load_state_dict()"))
 
-    def shard_all(self) -> None:
-        for up in self.units:
-            up.shard()
+    def add(self, unit) -> UnitParams:
+        """zerokern.shard(..., stage=3): shard the new unit now and hook its module."""
+        up = UnitParams(unit, self.comm)
+        up.reshard_after_forward = unit.config.reshard_after_forward
+        up.shard()
+        self.units.append(up)
+        self._of[id(unit)] = up
+        module = unit.module()
+        module.register_forward_pre_hook(self._pre_forward_hook(up))
+        module.register_forward_hook(self._post_forward_hook(up), always_call=True)
+        unit.after_grad = self._after_grad
+        for owner in {id(m): m for m in [module] + [m for m, _ in unit.param_owners]}.values():
+            owner.register_state_dict_pre_hook(_refuse(unit.name, "state_dict()"))
+            owner.register_load_state_dict_pre_hook(_refuse(unit.name, "load_state_dict()"))
+        return up
 
-    def reshard_all(self) -> None:
-        for up in self.units:
+    def of(self, unit) -> UnitParams:
+        return self._of[id(unit)]
+
+    def expect_order(self, units) -> None:
+        """The forward order the optimizer expects (from the params' order), until a forward shows one."""
+        if not self.order:
+            ups = [self._of[id(u)] for u in units]
+            self.order, self.backward_order = ups, ups[::-1]
+
+    def reshard_all(self, units=None) -> None:
+        for up in (self.units if units is None else [self._of[id(u)] for u in units]):
             up.reshard()
 
     @staticmethod
@@ -194,7 +226,7 @@ class Stage3Runtime:
                 if tensors:
                     register_multi_grad_hook(tensors, lambda _grads: self._pre_backward(up), mode="any")
             if self._depth > 0:
-                if self.reshard_after_forward or not grad:
+                if up.reshard_after_forward or not grad:
                     up.reshard()
                 return
             # the outermost unit's forward ended: the orders of this forward are the ones to follow

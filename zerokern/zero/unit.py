@@ -124,6 +124,8 @@ class FlatParams:
         self.changed = set()  # params adopted with new values since the stores last looked
         for i, p in enumerate(params):
             had_grad = p.grad is not None
+            if self.releases and not had_grad:
+                continue  # [Note: stage-2 memory]: no full grad buffer until a grad comes
             self.bind_grad(i)
             if had_grad:  # a grad from before sharding counts, as torch.optim would use it
                 self.bucket_of(i).mark_got(i, False)

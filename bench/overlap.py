@@ -3,6 +3,7 @@ reductions behind backward, and the all-gather of updated params behind the next
 
     python bench/overlap.py                      # 2 CPU ranks (gloo), simulated 1 GB/s link
     python bench/overlap.py --world 4 --bandwidth 2GB/s --json out.json
+    python bench/overlap.py --stage 3 --bandwidth 0.1GB/s   # stage 3: gathers in forward and backward
 
 N ranks (gloo on CPUs) train a synthetic MLP (each Linear a zerokern.shard unit)
 with FusedZeroAdam in three configurations, taking turns (A B C A B C) so
@@ -15,6 +16,12 @@ rank reports per iteration: forward and backward time, the time its
 reductions and its gathers take on the link, and the exposed part of each:
 the time the host waits for them (at the end of backward, in step(), and for
 the gathers also in the forward pre-hooks).
+
+With --stage 3 the params are sharded too: every Linear's params are gathered for
+its forward and again for its backward. Two configurations take turns: with the
+next unit's gather prefetched ("s3-prefetch") and without ("s3-no-prefetch");
+the exposed gather time is the host's wait for gathers in the forward and
+backward hooks, against the link time of all of them.
 
 The network is simulated, so overlap shows deterministically on one machine:
 each collective really runs (gloo), and its completion is then delayed to when
@@ -119,6 +126,7 @@ class SimComm:
 
 
 CONFIGS = {"overlap": (True, False), "overlap+gather": (True, True), "no_overlap": (False, False)}
+CONFIGS_S3 = {"s3-prefetch": (True, True), "s3-no-prefetch": (True, False)}  # (overlap_comm, prefetch)
 
 
 def build(args, overlap, gather, link):
@@ -127,15 +135,26 @@ def build(args, overlap, gather, link):
     for _ in range(args.layers):
         layers += [torch.nn.Linear(args.hidden, args.hidden), torch.nn.ReLU()]
     model = torch.nn.Sequential(*layers)
-    for m in model:
-        if isinstance(m, torch.nn.Linear):
-            zerokern.shard(m, stage=args.stage, overlap_comm=overlap, bucket_cap_mb=args.bucket_cap_mb,
-                           overlap_param_gather=gather)
+    if args.stage == 3:  # its own group: each configuration gets its own stage-3 runtime (and prefetch switch)
+        group = dist.new_group(list(range(dist.get_world_size())))
+        for m in model:
+            if isinstance(m, torch.nn.Linear):
+                zerokern.shard(m, stage=3, bucket_cap_mb=args.bucket_cap_mb, process_group=group)
+        zerokern.shard(model, stage=3, process_group=group)  # the root (no params of its own)
+    else:
+        for m in model:
+            if isinstance(m, torch.nn.Linear):
+                zerokern.shard(m, stage=args.stage, overlap_comm=overlap, bucket_cap_mb=args.bucket_cap_mb,
+                               overlap_param_gather=gather)
     opt = FusedZeroAdam(model.parameters(), lr=1e-4)
     sim = SimComm(opt.comm, link)
     # everything that holds the Comm
     for obj in [opt, opt.schedule, opt.param_gather] + opt.schedule.buckets + opt.units:
         obj.comm = sim
+    if opt.stage3 is not None:
+        opt.stage3.prefetch = gather
+        for up in opt.stage3.units:
+            up.comm = sim
     return model, opt, sim
 
 
@@ -153,8 +172,9 @@ def iteration(model, opt, x):
 def worker(rank, world, args, store, out_path):
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     torch.set_num_threads(args.threads)
+    configs = CONFIGS_S3 if args.stage == 3 else CONFIGS
     runs = {name: build(args, overlap, gather, SimulatedLink(args.bandwidth, args.latency))
-            for name, (overlap, gather) in CONFIGS.items()}
+            for name, (overlap, gather) in configs.items()}
     x = torch.randn(args.batch, args.hidden)
     stats = {name: [] for name in runs}
     for step in range(args.steps + 1):
@@ -174,7 +194,7 @@ def worker(rank, world, args, store, out_path):
                                 "param_exposed_s": wait["params"]})
     # backward compute alone (no reductions): the budget the communication can hide behind
     compute = []
-    model, opt, _ = runs["overlap"]
+    model, opt, _ = next(iter(runs.values()))
     for _ in range(args.steps):
         with opt.no_sync():
             loss = model(x).square().mean()
@@ -182,7 +202,7 @@ def worker(rank, world, args, store, out_path):
             loss.backward()
             compute.append(time.perf_counter() - t0)
     result = {"rank": rank, "compute_backward_s": statistics.median(compute),
-              "buckets": len(runs["overlap"][1].schedule.buckets)}
+              "buckets": len(next(iter(runs.values()))[1].schedule.buckets), "configs": list(configs)}
     for name, rows in stats.items():
         result[name] = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
         result[name]["param_exposed_max_s"] = max(r["param_exposed_s"] for r in rows)
@@ -198,7 +218,7 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--batch", type=int, default=512)
-    ap.add_argument("--stage", type=int, default=2, choices=[1, 2])
+    ap.add_argument("--stage", type=int, default=2, choices=[1, 2, 3])
     ap.add_argument("--bucket-cap-mb", type=float, default=1.0)
     ap.add_argument("--bandwidth", type=lambda t: parse_bytes(t, per_second=True), default=1e9,
                     help="simulated per-rank link bandwidth, e.g. 1GB/s")
@@ -220,7 +240,7 @@ def main(argv=None):
     print(f"backward compute alone: {ms(r0['compute_backward_s'])} ms")
     print(f"{'':15s} {'forward':>8s} {'backward':>9s} {'grad comm':>10s} {'exposed':>8s} {'%':>6s} "
           f"{'param gather':>13s} {'exposed':>8s} {'%':>6s} {'step':>8s}  (ms)")
-    for name in CONFIGS:
+    for name in r0["configs"]:
         s = r0[name]
         pct = 100 * s["grad_exposed_s"] / s["grad_comm_s"] if s["grad_comm_s"] else 0.0
         ppct = 100 * s["param_exposed_s"] / s["param_comm_s"] if s["param_comm_s"] else 0.0

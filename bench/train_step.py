@@ -9,12 +9,14 @@ them the same batches):
   zerokern-s1, zerokern-s2   FusedZeroAdam(zero_stage=1 / 2); bf16: bf16 params, fp32 masters
   zerokern-s2+gather         zerokern.shard on each block and the root, stage 2, overlap_param_gather=True:
                              step() leaves the param all-gathers to the next forward
+  zerokern-s3                zerokern.shard(stage=3) on each block and the root: params sharded too,
+                             gathered unit by unit with prefetch (FSDP2's shape)
   ddp+adamw-fused            DistributedDataParallel(gradient_as_bucket_view=True) + AdamW(fused=True);
                              bf16: fp32 params under autocast(bf16)
   zero-redundancy            DDP + torch.distributed.optim.ZeroRedundancyOptimizer(AdamW(fused=True))
   fsdp2                      fully_shard on each block and the root + AdamW;
                              bf16: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
-  deepspeed-zero2            deepspeed.initialize with ZeRO stage 2 (when deepspeed is installed)
+  deepspeed-zero2, -zero3    deepspeed.initialize with ZeRO stage 2 / 3 (when deepspeed is installed)
 Every variant uses lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0.01.
 
 Timing: each round gives every variant a turn, the order rotated per round. A
@@ -34,7 +36,9 @@ Memory (per rank): for zerokern, the optimizer's own counters (memory_report()
 after backward, and the peak of the stage-2 buffer pool during backward: every
 full gradient buffer of a stage-2 bucket comes from that pool, so its peak is
 exact), next to zerokern.plan's prediction for the same model, world size,
-dtype and bucket size. For the peers, the bytes of the tensors Python can see
+dtype and bucket size; at stage 3 also the peak of the gathered full params
+(the runtime counts every full buffer it allocates and frees) against the
+planner's working set (root unit + 2 blocks). For the peers, the bytes of the tensors Python can see
 after backward: unique storages of params (local shards for FSDP2), of .grad
 (DDP's grads are views of its buckets), and of the optimizer state. Buffers a
 peer keeps in C++ only (FSDP2's reduce-scatter buffers, DeepSpeed's partitions)
@@ -125,7 +129,8 @@ class Variant:
         if isinstance(self.opt, FusedZeroAdam):
             rep = self.opt.memory_report()
             self.mem = {"params": rep["params"], "grads": rep["grads"], "grad_buffers_peak": self.opt.schedule.pool.peak_bytes,
-                        "optimizer_state": rep["master_params"] + rep["adam_state"], "method": "optimizer counters"}
+                        "optimizer_state": rep["master_params"] + rep["adam_state"], "method": "optimizer counters",
+                        "gathered_peak": self.opt.stage3.peak_bytes if self.opt.stage3 is not None else 0}
             return
         if self.engine is not None:
             self.mem = {"params": _storages_bytes(list(self.model.parameters())), "grads": None,
@@ -151,6 +156,11 @@ def build(kind, base, dtype, device, world, cap_mb):
                 zerokern.shard(blk, stage=2, bucket_cap_mb=cap_mb, overlap_param_gather=True)
             zerokern.shard(model, stage=2, bucket_cap_mb=cap_mb, overlap_param_gather=True)
             return Variant(kind, model, zerokern.FusedZeroAdam(model.parameters(), **HYPER))
+        if kind == "zerokern-s3":
+            for blk in model.blocks:
+                zerokern.shard(blk, stage=3, bucket_cap_mb=cap_mb)
+            zerokern.shard(model, stage=3, bucket_cap_mb=cap_mb)
+            return Variant(kind, model, zerokern.FusedZeroAdam(model.parameters(), **HYPER))
         opt = zerokern.FusedZeroAdam(model.parameters(), zero_stage=int(kind[-1]), bucket_cap_mb=cap_mb, **HYPER)
         return Variant(kind, model, opt)
     if kind == "ddp+adamw-fused":
@@ -173,11 +183,11 @@ def build(kind, base, dtype, device, world, cap_mb):
             fully_shard(blk, mesh=mesh, mp_policy=mp_policy)
         fully_shard(model, mesh=mesh, mp_policy=mp_policy)
         return Variant(kind, model, torch.optim.AdamW(model.parameters(), **HYPER))
-    if kind == "deepspeed-zero2":
+    if kind in ("deepspeed-zero2", "deepspeed-zero3"):
         import deepspeed
 
         cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-               "zero_optimization": {"stage": 2, "reduce_bucket_size": int(cap_mb * 2**20 / 4),
+               "zero_optimization": {"stage": int(kind[-1]), "reduce_bucket_size": int(cap_mb * 2**20 / 4),
                                      "overlap_comm": True, "contiguous_gradients": True},
                "optimizer": {"type": "AdamW", "params": {"lr": HYPER["lr"], "betas": list(HYPER["betas"]),
                                                          "eps": HYPER["eps"], "weight_decay": HYPER["weight_decay"]}},
@@ -191,11 +201,11 @@ def build(kind, base, dtype, device, world, cap_mb):
 def available(kinds):
     out = []
     for k in kinds:
-        if k == "deepspeed-zero2":
+        if k.startswith("deepspeed"):
             try:
                 import deepspeed  # noqa: F401
             except Exception as e:  # noqa: BLE001  any import failure means: not in this run
-                print(f"skipping deepspeed-zero2: {type(e).__name__}: {e}")
+                print(f"skipping {k}: {type(e).__name__}: {e}")
                 continue
         out.append(k)
     return out
@@ -274,6 +284,8 @@ def worker(rank, world, init, args, out):
                 for v in variants:
                     if v.name.startswith("zerokern"):
                         v.opt.schedule.pool.reset_peak()
+                        if v.opt.stage3 is not None:
+                            v.opt.stage3.reset_peak()
         for v in variants:
             loss = v.loss.float().clone()
             dist.all_reduce(loss)
@@ -285,10 +297,12 @@ def worker(rank, world, init, args, out):
                 from zerokern.plan import plan
 
                 largest = max(p.numel() for p in base.parameters())
-                st = plan(numel, dp=world, dtype=dtype, bucket_cap_mb=args.bucket_cap_mb,
-                          largest_param=largest).stages[v.opt.zero_stage]
+                block = sum(p.numel() for p in base.blocks[0].parameters())
+                st = plan(numel, dp=world, dtype=dtype, bucket_cap_mb=args.bucket_cap_mb, largest_param=largest,
+                          unit_params=block, root_params=numel - len(base.blocks) * block).stages[v.opt.zero_stage]
                 row["planner"] = {"grads": st.grads_bytes, "buffers": st.buffers_bytes,
-                                  "optimizer_state": st.master_bytes + st.adam_bytes}
+                                  "optimizer_state": st.master_bytes + st.adam_bytes,
+                                  "params": st.params_bytes, "gathered": st.gathered_bytes}
             result["rows"].append(row)
         del variants
     if rank == 0:
@@ -312,7 +326,7 @@ def main(argv=None):
     ap.add_argument("--steps-per-turn", type=int, default=2, help="timed steps per variant and round")
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--variants", default="zerokern-s1,zerokern-s2,zerokern-s2+gather,ddp+adamw-fused,"
-                                          "zero-redundancy,fsdp2,deepspeed-zero2")
+                                          "zero-redundancy,fsdp2,deepspeed-zero2,zerokern-s3,deepspeed-zero3")
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--d-model", type=int, default=384)
     ap.add_argument("--heads", type=int, default=6)
@@ -349,6 +363,9 @@ def main(argv=None):
                           "x DDP": f"{ddp / r['median_ms']:.2f}" if ddp else "-", "loss": f"{r['loss']:.4f}",
                           "grads MiB": mib(m.get("grads")), "buffers peak MiB": mib(m.get("grad_buffers_peak")),
                           "opt state MiB": mib(m.get("optimizer_state")),
+                          "params+gathered peak MiB": mib(m["params"] + m["gathered_peak"]) if "gathered_peak" in m
+                          else mib(m.get("params")),
+                          "planner params+gathered MiB": mib(p["params"] + p["gathered"]) if p else "-",
                           "planner grads+buffers MiB": mib(p["grads"] + p["buffers"]) if p else "-",
                           "planner opt MiB": mib(p["optimizer_state"]) if p else "-"})
         H.print_table(table, [(k, k, "{}") for k in table[0]])

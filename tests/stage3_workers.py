@@ -32,7 +32,8 @@ def _loss(model, idx):
     return torch.nn.functional.cross_entropy(logits.float().reshape(-1, V), idx[:, 1:].reshape(-1))
 
 
-def _model(stage, layers, ckpt, dtype, cap_mb, reshard_after_forward=True, max_grad_norm=None):
+def _model(stage, layers, ckpt, dtype, cap_mb, reshard_after_forward=True, max_grad_norm=None, head_unit=False):
+    """head_unit: the tied head is a unit of its own, so the root's embedding uses another unit's param."""
     torch.manual_seed(0)
     model = CkptGPT(layers, ckpt).to(dtype)
     kw = dict(stage=stage, bucket_cap_mb=cap_mb)
@@ -40,6 +41,8 @@ def _model(stage, layers, ckpt, dtype, cap_mb, reshard_after_forward=True, max_g
         kw["reshard_after_forward"] = reshard_after_forward
     for b in model.blocks:
         zerokern.shard(b, **kw)
+    if head_unit:
+        zerokern.shard(model.head, **kw)
     zerokern.shard(model, **kw)
     return model, zerokern.FusedZeroAdam(model.parameters(), lr=1e-2, weight_decay=0.01, max_grad_norm=max_grad_norm)
 
@@ -60,13 +63,14 @@ def _states(opt):
 
 
 def train(rank, world, dtype="float32", ckpt=None, reshard_after_forward=True, accumulate=False,
-          max_grad_norm=None, cap_mb=0.002, steps=10, layers=3, skip=()):
+          max_grad_norm=None, cap_mb=0.002, steps=10, layers=3, skip=(), head_unit=False):
     """Stage 3 against stage 2 on the same ranks (the same reductions and kernels: the same bits)
     and against torch.optim.AdamW on one process over the full batch. Also records what is
     gathered when: between steps nothing, during a block's forward at most the root, that block
     and the next (prefetched) one."""
     dtype = getattr(torch, dtype)
-    runs = {s: _model(s, layers, ckpt, dtype, cap_mb, reshard_after_forward, max_grad_norm) for s in (2, 3)}
+    runs = {s: _model(s, layers, ckpt, dtype, cap_mb, reshard_after_forward, max_grad_norm, head_unit)
+            for s in (2, 3)}
     torch.manual_seed(0)
     ref = CkptGPT(layers)  # fp32, one process, the whole batch
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
@@ -175,7 +179,7 @@ def _init_root(model):
     model.ln_f.reset_parameters()
 
 
-def meta_init(rank, world, steps=4):
+def meta_init(rank, world, head_unit=False, steps=4):
     """A model built on the meta device, sharded unit by unit: the ranks hold rank 0's initial
     values (reset_parameters() for the blocks, init= for the root, the head still tied), and it
     trains as torch.optim.AdamW on one process from those values."""
@@ -184,6 +188,9 @@ def meta_init(rank, world, steps=4):
         model = CkptGPT(3)
     for b in model.blocks:
         zerokern.shard(b, stage=3, bucket_cap_mb=0.002)
+    if head_unit:  # a unit of its own, tied to the root's embedding: sharded first, it initialises the tie
+        zerokern.shard(model.head, stage=3, bucket_cap_mb=0.002,
+                       init=lambda head: torch.nn.init.normal_(head.weight, std=0.02))
     zerokern.shard(model, stage=3, bucket_cap_mb=0.002, init=_init_root)
     opt = zerokern.FusedZeroAdam(model.parameters(), lr=1e-2, weight_decay=0.01)
     out = {"meta_left": [n for n, t in list(model.named_parameters()) + list(model.named_buffers())

@@ -19,6 +19,8 @@ CASES = {  # name: (world, train() keywords)
     "accumulate": (2, {"accumulate": True}),
     "clip": (2, {"max_grad_norm": 0.05}),
     "unused-block": (2, {"skip": (1,)}),
+    "tied-head-own-unit": (2, {"head_unit": True}),
+    "tied-head-own-unit-4ranks-checkpoint": (4, {"head_unit": True, "ckpt": "non-reentrant"}),
     "bf16": (2, {"dtype": "bfloat16"}),
     "bf16-4ranks-checkpoint": (4, {"dtype": "bfloat16", "ckpt": "non-reentrant"}),
 }
@@ -99,9 +101,9 @@ def test_one_process_trains_as_adamw():
     assert max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters())) < 1e-6
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_meta_init_shards_unit_by_unit_and_trains_as_adamw(world):
-    rs = dist_harness.values(dist_harness.run(W.meta_init, world, timeout=240))
+@pytest.mark.parametrize("world,head_unit", [(2, False), (4, False), (2, True)])
+def test_meta_init_shards_unit_by_unit_and_trains_as_adamw(world, head_unit):
+    rs = dist_harness.values(dist_harness.run(W.meta_init, world, head_unit, timeout=240))
     for r in rs:
         assert r["meta_left"] == [] and r["tied"], r
         assert r["ln_ones"] and r["linear_in_bound"], r
@@ -128,3 +130,40 @@ def test_a_model_too_large_for_one_rank_trains_within_the_budget(monkeypatch):
         assert r["peak"] < budget, (r["peak"], budget, whole_training)
         assert all(l == l and l < 20 for l in r["losses"]), r["losses"]
     assert rs[0]["losses"] != rs[1]["losses"]  # each rank its own batch
+
+
+class _WithShift(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.shift = torch.nn.Parameter(torch.zeros(4))  # no reset_parameters() covers it
+        self.register_buffer("table", torch.arange(4.0))  # computed in __init__: meta has no values
+
+    def forward(self, x):
+        return self.fc(x) + self.shift + self.table
+
+
+def test_meta_init_refuses_what_nothing_initialised():
+    """Materialised tensors start as NaN: one nothing wrote is an error naming it, never garbage."""
+    with torch.device("meta"):
+        m = _WithShift()
+    with pytest.raises(ValueError, match=r"shift was built on the meta device and is not initialised"):
+        zerokern.shard(m, stage=3)
+    with torch.device("meta"):
+        m = _WithShift()
+    with pytest.raises(ValueError, match=r"table was built on the meta device .* after init\(module\)"):
+        zerokern.shard(m, stage=3, init=lambda mod: (mod.fc.reset_parameters(), mod.shift.zero_()))
+    with torch.device("meta"):
+        m = _WithShift()
+
+    def init(mod):
+        mod.fc.reset_parameters()
+        mod.shift.zero_()
+        mod.table.copy_(torch.arange(4.0))
+    zerokern.shard(m, stage=3, init=init)
+    assert torch.equal(m.table, torch.arange(4.0)) and torch.equal(m.shift, torch.zeros(4))
+    assert bool(torch.isfinite(m.fc.weight).all())
+    with torch.device("meta"):
+        m = _WithShift()
+    with pytest.raises(ValueError, match=r"shift is on the meta device; .* or shard it with stage=3"):
+        zerokern.shard(m, stage=2)

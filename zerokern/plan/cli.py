@@ -75,6 +75,10 @@ def parser():
     model.add_argument("--kv-heads", type=count, help="key/value heads (llama; default: --heads)")
     model.add_argument("--vocab", type=count)
     model.add_argument("--ffn-hidden", type=count, help="MLP width (gpt default 4 * hidden; llama: required)")
+    model.add_argument("--unit-params", type=param_count,
+                       help="stage 3 with --params: params per gathering unit (e.g. one layer)")
+    model.add_argument("--root-params", type=param_count,
+                       help="stage 3 with --params: params of the root unit (embeddings, final norm)")
     par = ap.add_argument_group("parallelism")
     par.add_argument("--dp", type=count, default=1, help="data-parallel size")
     par.add_argument("--tp", type=count, default=1, help="tensor-parallel size")
@@ -107,19 +111,19 @@ def render(p, marked=None):
              f"GB per GPU (1 GB = 1e9 bytes); fits in {_gb(p.gpu_memory_bytes)} GB = model states only, "
              f"headroom left for activations",
              ""]
-    head = ["stage", "params", "grads", "buffers", "master", "adam", "total", "fits (headroom)", "comm/step",
+    head = ["stage", "params", "gathered", "grads", "buffers", "master", "adam", "total", "fits (headroom)", "comm/step",
             "comm time"]
     if p.offload_optimizer:
-        head.insert(7, "cpu")
+        head.insert(8, "cpu")
     rows = []
     best = p.smallest_fitting_stage
     for s in p.stages:
-        row = [str(s.stage), _gb(s.params_bytes), _gb(s.grads_bytes), _gb(s.buffers_bytes), _gb(s.master_bytes),
+        row = [str(s.stage), _gb(s.params_bytes), _gb(s.gathered_bytes), _gb(s.grads_bytes), _gb(s.buffers_bytes), _gb(s.master_bytes),
                _gb(s.adam_bytes),
                _gb(s.total_bytes), f"{'yes' if s.fits else 'no'} ({_gb(s.headroom_bytes)})",
                f"{_gb(s.comm_bytes)} GB", f"{s.comm_seconds * 1e3:.1f} ms"]
         if p.offload_optimizer:
-            row.insert(7, _gb(s.cpu_bytes))
+            row.insert(8, _gb(s.cpu_bytes))
         notes = []
         if s.stage == best:
             notes.append("<- smallest stage that fits")
@@ -135,6 +139,8 @@ def render(p, marked=None):
     lines.append("buffers: what zerokern holds beyond the ZeRO paper's figures with dp > 1: stage 1 the reduced grad "
                  "shard (grads/dp), stage 2 up to 5 buckets of --bucket-cap-mb in backward (2 in flight, 2 filling, 1 a tied embedding holds open). DeepSpeed's ZeRO-2 "
                  "estimator says 2 + 18/dp bytes/param (it keeps fp32 grads); zerokern 2 + 14/dp plus buffers")
+    lines.append("gathered: stage 3's full params while units compute (the root unit, the unit computing and the "
+                 "one prefetched; one layer per unit from the shape, or --unit-params/--root-params)")
     if p.pp > 1:
         lines.append(f"pipeline bubble: (pp-1)/(m+pp-1) = {p.pipeline_bubble:.1%} with m={p.micro_batches} micro-batches")
     if p.offload_optimizer:
@@ -153,7 +159,7 @@ def main(argv=None):
                  ffn_hidden=args.ffn_hidden, arch=args.arch, kv_heads=args.kv_heads, dp=args.dp, tp=args.tp, pp=args.pp, dtype=args.dtype,
                  offload_optimizer=args.offload_optimizer, gpu_memory=args.gpu_memory,
                  micro_batches=args.micro_batches, dp_bandwidth=args.dp_bandwidth,
-                 bucket_cap_mb=args.bucket_cap_mb)
+                 bucket_cap_mb=args.bucket_cap_mb, unit_params=args.unit_params, root_params=args.root_params)
     except ValueError as e:
         ap.error(str(e))  # exit code 2
     if args.json:

@@ -48,6 +48,12 @@ fp32 grads 4, fp32 master 4, Adam 8) and no bucket: zerokern's stage 2 is
 2 + 14/dp plus the buckets, because its fused kernel reads the 16-bit reduced
 grads directly and keeps no fp32 copy of them.
 
+[Note: the stage-3 working set] At stage 3 (dp > 1) zerokern also holds full params while
+units compute: the outermost unit (the root: embeddings, final norm, a tied head) stays
+gathered through forward and backward, and besides it the unit computing and the one prefetched
+(zerokern/zero/stage3.py): root + 2 units, in the param dtype (`gathered`). Its gradients go
+through stage 2's buckets, so stage 3 has stage 2's `buffers` too.
+
 Communication per GPU per step, data-parallel, ring algorithms: plain DP
 all-reduces the grads (reduce-scatter + all-gather: 2 x params x (dp-1)/dp
 elements); ZeRO-1 and ZeRO-2 reduce-scatter the grads and all-gather the
@@ -78,6 +84,7 @@ class StagePlan:
     headroom_bytes: float
     comm_bytes: float  # sent (and received) per GPU per step
     comm_seconds: float
+    gathered_bytes: float = 0.0  # stage 3: full params gathered at once ([Note: the stage-3 working set])
 
 
 @dataclass(frozen=True)
@@ -143,11 +150,13 @@ def _positive(name, value, allow_zero=False):
 
 def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_hidden=None, arch="gpt",
          kv_heads=None, dp=1, tp=1, pp=1, dtype="bf16", offload_optimizer=None, gpu_memory=80e9, micro_batches=1,
-         dp_bandwidth=100e9, bucket_cap_mb=25.0, largest_param=None) -> Plan:
+         dp_bandwidth=100e9, bucket_cap_mb=25.0, largest_param=None, unit_params=None, root_params=None) -> Plan:
     """The memory and communication plan for every ZeRO stage. Give either
     `params` (a count; tp and pp then split it evenly) or the shape (layers,
     hidden, heads, vocab[, ffn_hidden]) of a GPT-style (arch="gpt") or Llama-style
-    (arch="llama", with ffn_hidden and optionally kv_heads) transformer."""
+    (arch="llama", with ffn_hidden and optionally kv_heads) transformer. Stage 3's gathered
+    working set needs the size of a gathering unit: from the shape, one layer (the root holding
+    the rest); with `params`, unit_params (and root_params, default largest_param) if given."""
     if arch not in ("gpt", "llama"):
         raise ValueError(f"arch must be 'gpt' or 'llama', got {arch!r}")
     if dtype not in DTYPE_BYTES:
@@ -203,6 +212,17 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
             formula = (f"Llama: layers*(2h^2 + 2h*kv*d + 3hf + 2h) + 2*vocab*h + h with h={hidden}, f={ffn_hidden}, "
                        f"kv*d={kv * (hidden // heads)}: {total:,}; per GPU (tp={tp}, pp={pp}, last stage): {per_gpu:,}")
 
+    for name, v in (("unit_params", unit_params), ("root_params", root_params)):
+        if v is not None:
+            _positive(name, v, allow_zero=True)
+    if params is None:  # one layer is a unit; the root holds the embeddings and final norms
+        per_gpu_fn = transformer_params_per_gpu if arch == "gpt" else (
+            lambda n, *a, tp=1, pp=1: llama_params_per_gpu(n, hidden, vocab, ffn_hidden, heads, kv, tp=tp, pp=pp))
+        args = (hidden, vocab, ffn_hidden) if arch == "gpt" else ()
+        unit_params = per_gpu_fn(pp, *args, tp=tp, pp=pp) - per_gpu_fn(0, *args, tp=tp, pp=pp)
+        root_params = per_gpu - layers // pp * unit_params
+    elif root_params is None:
+        root_params = largest_param or 0
     b = DTYPE_BYTES[dtype]
     p_bytes, g_bytes = b * per_gpu, b * per_gpu
     master = 0 if dtype == "fp32" else 4 * per_gpu  # fp32 training updates the params themselves
@@ -213,20 +233,23 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
         optimizer = shard(master, 1) + shard(adam, 1)
         off = offload and stage >= 1  # ZeRO-Offload moves the sharded optimizer state: stage 1 and up
         # [Note: what zerokern holds]: stage 1's reduced shard, stage 2's buckets in flight (with dp > 1)
-        buffers = 0.0
+        buffers, gathered = 0.0, 0.0
         if dp > 1 and stage == 1:
             buffers = g_bytes / dp
-        elif dp > 1 and stage == 2:
+        elif dp > 1 and stage >= 2:
             cap = bucket_cap_mb * 2**20
             held_open = cap if largest_param is None else max(cap, b * largest_param)
             buffers = min(g_bytes, 4 * cap + held_open)
-        gpu = shard(p_bytes, 3) + shard(g_bytes, 2) + buffers + (0 if off else optimizer)
+            if stage == 3 and unit_params is not None:  # [Note: the stage-3 working set]
+                gathered = min(p_bytes, b * (root_params + 2 * unit_params))
+        gpu = shard(p_bytes, 3) + gathered + shard(g_bytes, 2) + buffers + (0 if off else optimizer)
         comm = (3 if stage == 3 else 2) * per_gpu * b * (dp - 1) / dp
         stages.append(StagePlan(
             stage=stage, params_bytes=shard(p_bytes, 3), grads_bytes=shard(g_bytes, 2), buffers_bytes=buffers,
             master_bytes=0 if off else shard(master, 1), adam_bytes=0 if off else shard(adam, 1),
             total_bytes=gpu, cpu_bytes=optimizer if off else 0, fits=gpu <= gpu_memory,
-            headroom_bytes=gpu_memory - gpu, comm_bytes=comm, comm_seconds=comm / dp_bandwidth))
+            headroom_bytes=gpu_memory - gpu, comm_bytes=comm, comm_seconds=comm / dp_bandwidth,
+            gathered_bytes=gathered))
     return Plan(params_total=total, params_per_gpu=per_gpu, dp=dp, tp=tp, pp=pp, dtype=dtype,
                 offload_optimizer="cpu" if offload else None, gpu_memory_bytes=gpu_memory,
                 dp_bandwidth_bytes_per_s=dp_bandwidth, micro_batches=micro_batches,

@@ -143,12 +143,24 @@ def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket
     module._zerokern_unit = unit
     module.register_forward_pre_hook(_forward_pre_hook)
     if stage == 3 and comm.distributed:
-        runtime_for(comm).add(unit)  # [Note: stage-3 params]: this rank keeps its slice from now on
+        runtime = runtime_for(comm)
+        runtime.add(unit)  # [Note: stage-3 params]: this rank keeps its slice from now on
+        for n, p in module.named_parameters(remove_duplicate=False):
+            other = unit_of(p)  # a param of another unit held here too (a tied head): gathered for its use here
+            holder = module.get_submodule(n.rpartition(".")[0])
+            if other is not None and other is not unit and not _inside(holder, other):
+                runtime.add_foreign_use(holder, other)
     cls = module.__class__
     if cls not in _CLASSES:
         _CLASSES[cls] = type(f"Zero{cls.__name__}", (ZeroModule, cls), {})
     module.__class__ = _CLASSES[cls]
     return module
+
+
+def _inside(module, unit) -> bool:
+    """Is `module` the unit's module or inside it?"""
+    root = unit.module()
+    return root is not None and any(m is module for m in root.modules())
 
 
 _CLASSES: Dict[type, type] = {}  # module class -> its ZeroModule subclass (one each, as FSDP2)

@@ -8,20 +8,28 @@ them, and at stage 3 keeps this rank's slice and frees the rest before the next 
 materialised, so a rank never holds the whole model: at most about two copies of one unit (the
 new tensors and the flat buffer they are copied into) next to the slices kept so far.
 
-Initialisation: by default every module in the unit that holds one of its new params runs its
-own reset_parameters() (nn.Linear, nn.Embedding, nn.LayerNorm... have one); a param that no
-such method covers is an error naming it, and `init=fn` replaces the defaults: fn(module) is
-called under no_grad with the unit's params materialised (params of units inside it are empty
-by then; writing to them is a no-op). Every rank runs it, and the unit's values are then
-broadcast from rank 0 (as DDP's construction does), so the ranks need not share a seed.
+Initialisation: by default every module in the unit that holds one of its new params or
+buffers runs its own reset_parameters() (nn.Linear, nn.Embedding, nn.LayerNorm... have one);
+`init=fn` replaces that: fn(module) is called under no_grad with the unit's params and buffers
+materialised (params of units inside it are empty by then; writing to them is a no-op). The new
+tensors start as NaN, and one still holding a NaN after initialisation (a param nothing covers,
+a buffer computed in __init__) is an error naming it, never uninitialised memory trained on.
+Every rank runs the init, and the unit's values are then broadcast from rank 0 (as DDP's
+construction does), so the ranks need not share a seed.
 
-Tied params stay tied: a meta param held by several modules of the unit becomes one new
-Parameter in all of them.
+Tied params stay tied: a meta param held by several modules becomes one new Parameter in all
+of them, also across units: the unit sharded first materialises and initialises it, and later
+units take it as it is (their init sees it empty).
 """
 
 from typing import Callable, List, Optional
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+# meta param -> the Parameter that replaced it: a param tied across units (a head sharded on its own,
+# tied to the root's embedding) is materialised by the first unit; later units take the same one.
+_DONE = WeakIdKeyDictionary()
 
 
 def in_scope(module: torch.nn.Module, is_unit) -> List[torch.nn.Module]:
@@ -34,37 +42,49 @@ def in_scope(module: torch.nn.Module, is_unit) -> List[torch.nn.Module]:
     return out
 
 
+def _unset(t: torch.Tensor, device) -> torch.Tensor:
+    """A new tensor for meta `t`: NaN where it can hold one, so an element no init wrote is found."""
+    return torch.full_like(t, float("nan"), device=device) if t.is_floating_point() else torch.zeros_like(t, device=device)
+
+
 def materialize(module: torch.nn.Module, device: torch.device, init: Optional[Callable], is_unit) -> None:
     """Replace the meta params and buffers of `module`'s own unit by initialised tensors on `device`."""
     scope = in_scope(module, is_unit)
-    new = {}  # id(meta param) -> its Parameter on `device`
+    names = {id(m): prefix for prefix, m in module.named_modules()}
+    fresh = {}  # id(tensor) -> (its name, the tensor): what this call materialises
+    owners = set()  # id() of the modules holding one of them
     for m in scope:
+        where = names.get(id(m), "")
         for name, p in m._parameters.items():
-            if p is not None and p.device.type == "meta":
-                if id(p) not in new:
-                    new[id(p)] = torch.nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
-                m._parameters[name] = new[id(p)]
+            if p is None or p.device.type != "meta":
+                continue
+            q = _DONE.get(p)  # a param tied to one of a unit sharded earlier: that unit initialised it
+            if q is None:
+                q = _DONE[p] = torch.nn.Parameter(_unset(p, device), requires_grad=p.requires_grad)
+                fresh.setdefault(id(q), (f"{where}.{name}".lstrip("."), q))
+                owners.add(id(m))
+            m._parameters[name] = q
         for name, b in m._buffers.items():
             if b is not None and b.device.type == "meta":
-                m._buffers[name] = torch.empty_like(b, device=device)
-    if not new:
+                m._buffers[name] = _unset(b, device)
+                fresh[id(m._buffers[name])] = (f"{where}.{name}".lstrip("."), m._buffers[name])
+                owners.add(id(m))
+    if not fresh:
         return
-    fresh = {id(q) for q in new.values()}
     with torch.no_grad():
         if init is not None:
             init(module)
-            return
-        covered = set()
-        for m in scope:
-            mine = [p for p in m._parameters.values() if p is not None and id(p) in fresh]
-            if mine and hasattr(m, "reset_parameters"):
-                m.reset_parameters()
-                covered.update(id(p) for p in mine)
-    scope_ids = set(map(id, scope))
-    missing = [f"{prefix}{'.' if prefix else ''}{name}" for prefix, m in module.named_modules() if id(m) in scope_ids
-               for name, p in m._parameters.items() if p is not None and id(p) in fresh and id(p) not in covered]
-    if missing:
-        raise ValueError(
-            f"zerokern.shard: {missing[0]} was built on the meta device and no reset_parameters() of the module "
-            "holding it initialises it; pass init=fn to zerokern.shard (fn(module) initialises the unit's params "
-            "in place), or give that module a reset_parameters()")
+        else:
+            for m in scope:
+                if id(m) in owners and hasattr(m, "reset_parameters"):
+                    m.reset_parameters()
+    # A NaN left is an element nothing initialised (a param no reset_parameters() covers, an init=
+    # that skips one, a buffer computed in __init__): an error naming it, never garbage trained on.
+    for name, t in fresh.values():
+        if t.is_floating_point() and bool(torch.isnan(t).any()):
+            raise ValueError(
+                f"zerokern.shard: {name} was built on the meta device and is not initialised after "
+                + ("init(module)" if init is not None else "the reset_parameters() of the modules holding it")
+                + " (it still holds NaN): initialise it in init=fn (fn(module) initialises the unit's params and "
+                "buffers in place), or give its module a reset_parameters(). A param tied to one of a unit sharded "
+                "earlier is initialised by that unit")

@@ -18,8 +18,10 @@ saved params pass autograd's version check.
 When (UnitParams says which phase each unit is in, ParamState; Stage3Runtime decides when):
 - forward: a unit's forward pre-hook gathers it (waiting for a prefetch), then launches the
   gather of the unit the last forward ran next (prefetch, as FSDP2's forward prefetch);
-  its post-hook frees it (reshard_after_forward=True), except the outermost unit, whose
-  backward comes first (FSDP2 keeps its root too), and registers a hook on the outputs;
+  its post-hook frees it (reshard_after_forward=True), except a root (a unit with units inside)
+  that ends the forward, whose backward comes first (FSDP2 keeps its root too), and registers a
+  hook on the outputs. The order of one iteration (from the first forward after a backward or
+  step() on) is what the next iteration prefetches by;
 - backward: the first gradient reaching a unit's outputs gathers it again and launches the
   gather of the unit whose backward comes next (the reverse of the order the units finished
   their forwards); once every trainable param of the unit has its gradient (the grad hooks
@@ -57,12 +59,16 @@ def _refuse(unit_name, what):
 class UnitParams:
     """One stage-3 unit's params: the one place that says whether they are gathered (ParamState)."""
 
-    def __init__(self, unit, comm):
+    def __init__(self, unit, comm, counter=None):
         self.unit, self.comm = unit, comm
+        self.counter = counter  # the runtime: gathered bytes now and at peak
         self.flats = [f for f in unit.flat if f.shards_params]
         self.name = unit.name
         self.trainable = sum(len(f.params) for f in self.flats)
         self.got = 0  # params of the unit whose grad arrived since it was last gathered for backward
+        self.active = 0  # forwards of the unit's module running now (outside backward)
+        self.is_root = False  # the unit's module holds other units (Stage3Runtime.add)
+        self.reshard_after_forward = unit.config.reshard_after_forward
         self.state = ParamState.GATHERED  # built from the whole module
         self._works = []
         self._empty = {}
@@ -80,6 +86,8 @@ class UnitParams:
             self.comm.wait(w)
         for f in self.flats:
             f.shard_params()
+            for buf in f.param_bufs.buffers:
+                self._count(buf.untyped_storage().nbytes())  # the whole unit, until reshard() below
         self.reshard()
 
     def launch(self) -> None:
@@ -90,6 +98,7 @@ class UnitParams:
             for f in self.flats:
                 for b, buf in enumerate(f.param_bufs.buffers):
                     buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+                    self._count(buf.numel() * buf.element_size())
                     start, end = f.layout.rank_range(f.rank, b)
                     mine = buf[start:end]
                     mine.copy_(f.param_shards[b])
@@ -123,8 +132,14 @@ class UnitParams:
                 self._empty[key] = torch.empty(0, dtype=f.dtype, device=f.device)
             f.bind_empty(self._empty[key])
             for buf in f.param_bufs.buffers:
+                self._count(-buf.untyped_storage().nbytes())
                 buf.untyped_storage().resize_(0)
         self.state = ParamState.SHARDED
+
+    def _count(self, n: int) -> None:
+        if self.counter is not None:
+            self.counter.gathered_bytes += n
+            self.counter.peak_bytes = max(self.counter.peak_bytes, self.counter.gathered_bytes)
 
     def nbytes(self) -> int:
         """Bytes of param memory this rank holds now: its slices and any full buffer."""
@@ -157,16 +172,24 @@ class Stage3Runtime:
         self._pre: List[UnitParams] = []  # the running forward's orders, recorded as it goes
         self._post: List[UnitParams] = []
         self._depth = 0  # unit forwards running (nested)
+        self._new_forward = True  # the next unit forward begins an iteration (after backward or step())
         self._end_queued = False
+        self.prefetch = True  # launch the next unit's gather with this one's (bench/overlap.py turns it off)
+        self._foreign = set()  # (id(module), id(unit)) of add_foreign_use
+        self.gathered_bytes = 0  # bytes of full param buffers allocated now (UnitParams counts)
+        self.peak_bytes = 0  # their peak since reset_peak(): the gathered working set
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.gathered_bytes
 
     def add(self, unit) -> UnitParams:
         """zerokern.shard(..., stage=3): shard the new unit now and hook its module."""
-        up = UnitParams(unit, self.comm)
-        up.reshard_after_forward = unit.config.reshard_after_forward
+        up = UnitParams(unit, self.comm, self)
         up.shard()
+        module = unit.module()
+        up.is_root = any(any(m is x.unit.module() for m in module.modules()) for x in self.units)
         self.units.append(up)
         self._of[id(unit)] = up
-        module = unit.module()
         module.register_forward_pre_hook(self._pre_forward_hook(up))
         module.register_forward_hook(self._post_forward_hook(up), always_call=True)
         unit.after_grad = self._after_grad
@@ -174,6 +197,35 @@ class Stage3Runtime:
             owner.register_state_dict_pre_hook(_refuse(unit.name, "state_dict()"))
             owner.register_load_state_dict_pre_hook(_refuse(unit.name, "load_state_dict()"))
         return up
+
+    def add_foreign_use(self, holder: torch.nn.Module, unit) -> None:
+        """`holder` (outside `unit`'s module) holds one of the unit's params, as a head tied to an
+        embedding of another unit: its forward gathers the unit (left gathered: the unit's own
+        hooks and grads free it), and so does the first gradient reaching its outputs."""
+        key = (id(holder), id(unit))
+        if key in self._foreign:
+            return
+        self._foreign.add(key)
+        up = self._of[id(unit)]
+
+        def pre(module, args):
+            up.unshard()
+
+        def post(module, args, output):
+            if _in_backward():
+                return
+            if torch.is_grad_enabled():
+                tensors = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+                if tensors:
+                    register_multi_grad_hook(tensors, lambda _grads: self._gather_for_backward(up), mode="any")
+            if up.active == 0 and (up.reshard_after_forward or not torch.is_grad_enabled()):
+                up.reshard()  # as after the unit's own forward
+        holder.register_forward_pre_hook(pre)
+        holder.register_forward_hook(post, always_call=True)
+
+    def _gather_for_backward(self, up) -> None:
+        self._queue_end_of_backward()
+        up.unshard()
 
     def of(self, unit) -> UnitParams:
         return self._of[id(unit)]
@@ -185,6 +237,7 @@ class Stage3Runtime:
             self.order, self.backward_order = ups, ups[::-1]
 
     def reshard_all(self, units=None) -> None:
+        self._new_forward = True
         for up in (self.units if units is None else [self._of[id(u)] for u in units]):
             up.reshard()
 
@@ -201,14 +254,18 @@ class Stage3Runtime:
                 self._queue_end_of_backward()
                 up.unshard()
                 return
-            if self._depth == 0:  # a new forward
-                self._pre, self._post = [], []
+            if self._new_forward:  # the first unit forward since the last backward or step()
+                self._new_forward = False
+                self._pre, self._post, self._depth = [], [], 0
                 self._end_queued = False  # a backward that raised never ran its callback
+                for x in self.units:
+                    x.active = 0  # a forward that raised never ran its post-hooks
             self._depth += 1
+            up.active += 1
             if up not in self._pre:
                 self._pre.append(up)
             up.unshard()
-            nxt = self._next(self.order, up)
+            nxt = self._next(self.order, up) if self.prefetch else None
             if nxt is not None:
                 nxt.launch()
         return hook
@@ -218,6 +275,7 @@ class Stage3Runtime:
             if _in_backward():
                 return  # gathered for its backward, which follows
             self._depth -= 1
+            up.active -= 1
             if up not in self._post:
                 self._post.append(up)
             grad = torch.is_grad_enabled()
@@ -225,22 +283,26 @@ class Stage3Runtime:
                 tensors = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
                 if tensors:
                     register_multi_grad_hook(tensors, lambda _grads: self._pre_backward(up), mode="any")
-            if self._depth > 0:
-                if up.reshard_after_forward or not grad:
-                    up.reshard()
-                return
-            # the outermost unit's forward ended: the orders of this forward are the ones to follow
-            seen = set(map(id, self._pre))
-            self.order = self._pre + [x for x in self.order if id(x) not in seen]
-            self.backward_order = self._post[::-1] + [x for x in self.backward_order if id(x) not in seen]
-            for x in self.units:  # a prefetch no unit used; everything when no backward follows
-                if not grad or id(x) not in seen:
-                    x.reshard()
+            outermost = self._depth == 0
+            if outermost:  # the orders this iteration has shown so far, for the next one's prefetches
+                pre, post = set(map(id, self._pre)), set(map(id, self._post))
+                self.order = self._pre + [x for x in self.order if id(x) not in pre]
+                self.backward_order = self._post[::-1] + [x for x in self.backward_order if id(x) not in post]
+            # A root (a unit with units inside) that ends the forward stays gathered: its backward
+            # comes first, as FSDP2 keeps its root. Without backward (no_grad) everything goes.
+            keep = grad and outermost and up.is_root
+            if not keep and (up.reshard_after_forward or not grad):
+                up.reshard()
+            if outermost and up.is_root:
+                for x in self.units:  # a prefetch no unit used; everything when no backward follows
+                    if not grad or id(x) not in pre:
+                        x.reshard()
         return hook
 
     # --- backward --------------------------------------------------------------
 
     def _queue_end_of_backward(self) -> None:
+        self._new_forward = True
         if not self._end_queued:
             self._end_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)

@@ -19,9 +19,11 @@ def test_zero_paper_figure_1():
     totals = [round((s.total_bytes - s.buffers_bytes) / GB, 1) for s in p.stages]
     assert totals == [120.0, 31.4, 16.6, 1.9]
     assert p.smallest_fitting_stage == 1  # at the default 80 GB
-    # [Note: what zerokern holds]: stage 1's reduced shard (2 B * P / dp) and stage 2's five
-    # buckets of 25 MiB come on top of the paper's model states
-    assert [s.buffers_bytes for s in p.stages] == [0, 2 * 7.5e9 / 64, 5 * 25 * 2**20, 0]
+    # [Note: what zerokern holds]: stage 1's reduced shard (2 B * P / dp) and the five buckets of
+    # 25 MiB of stages 2 and 3 (stage 3's grads go through stage 2's buckets) come on top of the
+    # paper's model states; no unit size given, so no stage-3 working set
+    assert [s.buffers_bytes for s in p.stages] == [0, 2 * 7.5e9 / 64, 5 * 25 * 2**20, 5 * 25 * 2**20]
+    assert [s.gathered_bytes for s in p.stages] == [0, 0, 0, 0]
     assert p.stages[1].total_bytes == p.stages[1].params_bytes + p.stages[1].grads_bytes + 2 * 7.5e9 / 64 \
         + p.stages[1].master_bytes + p.stages[1].adam_bytes
 
@@ -168,3 +170,21 @@ def test_param_count_suffixes_offload_from_stage_1_and_json_stage(capsys):
     s0, s1 = d["stages"][0], d["stages"][1]
     assert s0["cpu_bytes"] == 0 and s0["adam_bytes"] > 0, "stage 0 keeps its optimizer on the GPU"
     assert s1["cpu_bytes"] > 0 and s1["adam_bytes"] == 0
+
+
+def test_stage3_working_set_by_hand():
+    # GPT, h = 64, f = 4h = 256, 4 layers, vocab 100, bf16, dp 2. Per layer (tp = 1):
+    # 4h^2 + 2hf + 3h + f + 6h = 16384 + 32768 + 192 + 256 + 384 = 49,984; root: vocab*h + 2h = 6,528;
+    # all: 4 * 49,984 + 6,528 = 206,464. [Note: the stage-3 working set]: the root and two layers
+    # gathered at once, 2 bytes each: 2 * (6,528 + 2 * 49,984) = 212,992 bytes.
+    p = plan(layers=4, hidden=64, heads=4, vocab=100, dp=2, dtype="bf16")
+    assert p.params_per_gpu == 206_464
+    s3 = p.stages[3]
+    assert s3.gathered_bytes == 212_992 and s3.params_bytes == 2 * 206_464 / 2
+    assert s3.total_bytes == s3.params_bytes + s3.gathered_bytes + s3.grads_bytes + s3.buffers_bytes \
+        + s3.master_bytes + s3.adam_bytes
+    assert [s.gathered_bytes for s in p.stages[:3]] == [0, 0, 0]
+    # the same from a count: the unit and root sizes given
+    q = plan(206_464, dp=2, dtype="bf16", unit_params=49_984, root_params=6_528)
+    assert q.stages[3].gathered_bytes == 212_992
+    assert plan(206_464, dp=1, unit_params=49_984).stages[3].gathered_bytes == 0  # one rank: nothing gathered

@@ -69,7 +69,7 @@ def test_refused_state_dict_changes_nothing():
 
 
 def test_stage_errors_name_the_argument():
-    with pytest.raises(ValueError, match="stage must be 0, 1 or 2, got None"):
+    with pytest.raises(ValueError, match="stage must be 0, 1, 2 or 3, got None"):
         zerokern.shard(R.gpt(), stage=None)
 
 

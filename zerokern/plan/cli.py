@@ -137,7 +137,7 @@ def render(p, marked=None):
     lines.append(f"comm: bytes each GPU sends per step over the data-parallel group at "
                  f"{p.dp_bandwidth_bytes_per_s / 1e9:g} GB/s (ring; 2x params for stages 0-2, 3x for stage 3)")
     lines.append("buffers: what zerokern holds beyond the ZeRO paper's figures with dp > 1: stage 1 the reduced grad "
-                 "shard (grads/dp), stage 2 up to 5 buckets of --bucket-cap-mb in backward (2 in flight, 2 filling, 1 a tied embedding holds open). DeepSpeed's ZeRO-2 "
+                 "shard (grads/dp), stages 2 and 3 up to 5 buckets of --bucket-cap-mb in backward (2 in flight, 2 filling, 1 a tied embedding holds open). DeepSpeed's ZeRO-2 "
                  "estimator says 2 + 18/dp bytes/param (it keeps fp32 grads); zerokern 2 + 14/dp plus buffers")
     lines.append("gathered: stage 3's full params while units compute (the root unit, the unit computing and the "
                  "one prefetched; one layer per unit from the shape, or --unit-params/--root-params)")

@@ -171,9 +171,10 @@ def errors(rank, world):
     return out
 
 
-def _init_root(model):
+def _init_root(model, tied_too=True):
     """init= for the root unit: its own params (wte/head tied, wpe, shift, ln_f)."""
-    torch.nn.init.normal_(model.wte.weight, std=0.02)
+    if tied_too:
+        torch.nn.init.normal_(model.wte.weight, std=0.02)
     torch.nn.init.normal_(model.wpe.weight, std=0.02)
     torch.nn.init.zeros_(model.shift)
     model.ln_f.reset_parameters()
@@ -191,7 +192,7 @@ def meta_init(rank, world, head_unit=False, steps=4):
     if head_unit:  # a unit of its own, tied to the root's embedding: sharded first, it initialises the tie
         zerokern.shard(model.head, stage=3, bucket_cap_mb=0.002,
                        init=lambda head: torch.nn.init.normal_(head.weight, std=0.02))
-    zerokern.shard(model, stage=3, bucket_cap_mb=0.002, init=_init_root)
+    zerokern.shard(model, stage=3, bucket_cap_mb=0.002, init=lambda m: _init_root(m, tied_too=not head_unit))
     opt = zerokern.FusedZeroAdam(model.parameters(), lr=1e-2, weight_decay=0.01)
     out = {"meta_left": [n for n, t in list(model.named_parameters()) + list(model.named_buffers())
                          if t.device.type == "meta"],
@@ -274,3 +275,122 @@ def too_large_for_one_rank(rank, world, d=512, layers=16, vocab=2048, steps=3):
         losses.append(loss.item())
     return {"n_params": n_params, "after_init": after_init, "peak": _peak_rss() - base, "losses": losses,
             "report": opt.memory_report()}
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise KeyboardInterrupt("a backward cut short")  # not an Exception subclass: nothing swallows it
+
+
+class _Borrowing(torch.nn.Module):
+    """A block whose forward also calls another unit's Linear (held in a list: not a submodule)."""
+
+    def __init__(self, block, lender):
+        super().__init__()
+        self.block, self._lender = block, [lender]
+
+    def forward(self, x):
+        return self.block(x) + self._lender[0](x)[..., :x.shape[-1]]
+
+
+def interrupted_and_borrowed(rank, world, steps=4):
+    """Stage 3 against stage 2 (the same bits) when (a) a backward raises part-way and the same
+    batch is run again, and (b) a unit's forward calls a Linear of another unit."""
+    runs = {}
+    for s in (2, 3):
+        torch.manual_seed(0)
+        model = CkptGPT(3)
+        kw = dict(stage=s, bucket_cap_mb=0.002)
+        for b in model.blocks:
+            zerokern.shard(b, **kw)
+        model.blocks[2] = _Borrowing(model.blocks[2], model.blocks[0].fc1)  # block 2 also runs block 0's fc1
+        zerokern.shard(model, **kw)
+        runs[s] = (model, zerokern.FusedZeroAdam(model.parameters(), lr=1e-2, weight_decay=0.01))
+    armed = {"on": False}
+    for m, _ in runs.values():
+        m.blocks[1].register_forward_hook(lambda mod, a, out: _RaiseInBackward.apply(out) if armed["on"] else out)
+    losses = {2: [], 3: []}
+    for step in range(steps):
+        idx = _data(step, world)[rank * BATCH:(rank + 1) * BATCH]
+        for s, (m, o) in runs.items():
+            o.zero_grad()
+            if step == 1:
+                armed["on"] = True
+                try:
+                    _loss(m, idx).backward()
+                except KeyboardInterrupt:
+                    pass
+                armed["on"] = False
+                o.zero_grad()
+            loss = _loss(m, idx)
+            loss.backward()
+            o.step()
+            losses[s].append(loss.item())
+    p2, p3 = _full_params(*runs[2]), _full_params(*runs[3])
+    return {"losses_equal": losses[2] == losses[3], "equal_to_stage2": all(torch.equal(p2[k], p3[k]) for k in p2)}
+
+
+def refusals_after_shard(rank, world):
+    """Changing a param in place between steps, and freezing one after shard(): errors naming it."""
+    out = {}
+    model, opt = _model(3, 1, None, torch.float32, 25.0)
+    _loss(model, _data(0, 1)).backward()
+    opt.step()
+    with torch.no_grad():
+        model.blocks[0].fc1.weight.clamp_(-0.01, 0.01)  # a WGAN-style clip between steps
+    for what, call in (("step", opt.step), ("forward", lambda: _loss(model, _data(1, 1)))):
+        try:
+            call()
+            out[what] = None
+        except RuntimeError as e:
+            out[what] = str(e)
+    torch.manual_seed(0)
+    m2 = CkptGPT(1)
+    for b in m2.blocks:
+        zerokern.shard(b, stage=3)
+    zerokern.shard(m2, stage=3)
+    m2.blocks[0].fc2.bias.requires_grad_(False)
+    try:
+        zerokern.FusedZeroAdam(m2.parameters())
+        out["frozen"] = None
+    except ValueError as e:
+        out["frozen"] = str(e)
+    return out
+
+
+class _FrozenNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.frozen = torch.nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+        self.register_buffer("scale", torch.ones(8))
+
+
+def meta_frozen_and_retry(rank, world):
+    """A meta init drawn from each rank's own seed: frozen params and buffers take rank 0's values
+    too. And shard() called again after its own init error starts from the meta tensors."""
+    torch.manual_seed(rank)
+    with torch.device("meta"):
+        m = _FrozenNet()
+    zerokern.shard(m, stage=3, init=lambda mod: (mod.fc.reset_parameters(), mod.frozen.reset_parameters(),
+                                                 mod.scale.uniform_()))  # each rank draws its own
+    got = {"frozen": m.frozen.weight.detach().clone(), "scale": m.scale.clone()}
+    with torch.device("meta"):
+        mha = torch.nn.Sequential(torch.nn.MultiheadAttention(8, 2))
+    try:
+        zerokern.shard(mha, stage=3)  # in_proj_weight: MultiheadAttention has no reset_parameters()
+        got["first_error"] = None
+    except ValueError as e:
+        got["first_error"] = str(e)
+    got["back_on_meta"] = mha[0].in_proj_weight.device.type == "meta"
+    zerokern.shard(mha, stage=3, init=lambda s: (s[0]._reset_parameters(), s[0].out_proj.reset_parameters()))
+    opt = zerokern.FusedZeroAdam(list(m.parameters()) + list(mha.parameters()))
+    full = _full_params(mha, opt)
+    got["mha_finite"] = all(bool(torch.isfinite(v).all()) for v in full.values())
+    return got

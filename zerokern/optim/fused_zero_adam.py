@@ -175,6 +175,11 @@ class FusedZeroAdam(torch.optim.Optimizer):
             if u.schedule is not None:
                 raise ValueError(f"zerokern: unit '{u.name}' already belongs to another FusedZeroAdam; "
                                  "build one optimizer over all of a model's params")
+            frozen = [n for f in u.flat for p, n in zip(f.params, f.names) if not p.requires_grad]
+            if frozen:
+                raise ValueError(f"zerokern: {frozen[0]} (unit '{u.name}') was trainable when zerokern.shard() made the "
+                                 "unit and is frozen now (requires_grad=False): freeze it before shard(), or keep it "
+                                 "trainable and give it lr=0 in a param group of its own")
             missing = [n for f in u.flat for p, n in zip(f.params, f.names) if p not in index]
             if missing:
                 raise ValueError(f"zerokern: {missing[0]} (unit '{u.name}') is trainable but not in this "

@@ -22,7 +22,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .comm import Comm
-from .materialize import materialize
+from .materialize import in_scope, materialize
 from .stage3 import runtime_for
 from .unit import OffloadPolicy, ShardConfig, ShardUnit
 
@@ -143,6 +143,18 @@ def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket
     module._zerokern_unit = unit
     module.register_forward_pre_hook(_forward_pre_hook)
     if stage == 3 and comm.distributed:
+        # Frozen params and buffers stay whole on every rank; they take rank 0's values too (a meta
+        # init may have drawn them from each rank's own generator). The trainable ones: runtime.add.
+        whole = {id(t): t for m in in_scope(module, lambda c: isinstance(c, ZeroModule))
+                 for t in list(m._parameters.values()) + list(m._buffers.values())
+                 if t is not None and not (isinstance(t, torch.nn.Parameter) and t.requires_grad)}
+        pairs = [(t, t.data if t.is_contiguous() else t.data.contiguous()) for t in whole.values()]
+        for w in [comm.broadcast(c, name="broadcast_params") for _, c in pairs]:
+            comm.wait(w)
+        with torch.no_grad():
+            for t, c in pairs:
+                if c.data_ptr() != t.data_ptr():
+                    t.data.copy_(c)
         runtime = runtime_for(comm)
         runtime.add(unit)  # [Note: stage-3 params]: this rank keeps its slice from now on
         for n, p in module.named_parameters(remove_duplicate=False):

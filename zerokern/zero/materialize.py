@@ -43,48 +43,92 @@ def in_scope(module: torch.nn.Module, is_unit) -> List[torch.nn.Module]:
 
 
 def _unset(t: torch.Tensor, device) -> torch.Tensor:
-    """A new tensor for meta `t`: NaN where it can hold one, so an element no init wrote is found."""
-    return torch.full_like(t, float("nan"), device=device) if t.is_floating_point() else torch.zeros_like(t, device=device)
+    """A new tensor for meta `t` holding a mark no initialisation leaves: NaN, or an integer
+    type's largest value (a bool has none: see materialize)."""
+    if t.is_floating_point() or t.is_complex():
+        return torch.full_like(t, float("nan"), device=device)
+    if t.dtype == torch.bool:
+        return torch.zeros_like(t, device=device)
+    return torch.full_like(t, torch.iinfo(t.dtype).max, device=device)
+
+
+def _untouched(t: torch.Tensor) -> bool:
+    if t.is_floating_point() or t.is_complex():
+        return bool(torch.isnan(t).any())
+    if t.dtype == torch.bool:
+        return False
+    return bool((t == torch.iinfo(t.dtype).max).any())
 
 
 def materialize(module: torch.nn.Module, device: torch.device, init: Optional[Callable], is_unit) -> None:
-    """Replace the meta params and buffers of `module`'s own unit by initialised tensors on `device`."""
+    """Replace the meta params and buffers of `module`'s own unit by initialised tensors on `device`.
+    On an error the module is left as it was (on meta), so shard() can be called again."""
     scope = in_scope(module, is_unit)
     names = {id(m): prefix for prefix, m in module.named_modules()}
     fresh = {}  # id(tensor) -> (its name, the tensor): what this call materialises
     owners = set()  # id() of the modules holding one of them
+    undo = []  # (dict, key, the meta tensor it held)
+    local = {}  # id(meta param) -> its new Parameter
+    taken = {}  # id(param) -> (name, param, version) of params tied to a unit sharded earlier
     for m in scope:
         where = names.get(id(m), "")
         for name, p in m._parameters.items():
             if p is None or p.device.type != "meta":
                 continue
+            undo.append((m._parameters, name, p))
             q = _DONE.get(p)  # a param tied to one of a unit sharded earlier: that unit initialised it
-            if q is None:
-                q = _DONE[p] = torch.nn.Parameter(_unset(p, device), requires_grad=p.requires_grad)
-                fresh.setdefault(id(q), (f"{where}.{name}".lstrip("."), q))
+            if q is not None:
+                taken[id(q)] = (f"{where}.{name}".lstrip("."), q, q._version)
+            else:
+                q = local.get(id(p))  # tied within this unit: one new Parameter
+                if q is None:
+                    q = local[id(p)] = torch.nn.Parameter(_unset(p, device), requires_grad=p.requires_grad)
+                    fresh[id(q)] = (f"{where}.{name}".lstrip("."), q, p)
                 owners.add(id(m))
             m._parameters[name] = q
         for name, b in m._buffers.items():
             if b is not None and b.device.type == "meta":
+                undo.append((m._buffers, name, b))
                 m._buffers[name] = _unset(b, device)
-                fresh[id(m._buffers[name])] = (f"{where}.{name}".lstrip("."), m._buffers[name])
+                fresh[id(m._buffers[name])] = (f"{where}.{name}".lstrip("."), m._buffers[name], None)
                 owners.add(id(m))
     if not fresh:
         return
-    with torch.no_grad():
-        if init is not None:
-            init(module)
-        else:
-            for m in scope:
-                if id(m) in owners and hasattr(m, "reset_parameters"):
-                    m.reset_parameters()
-    # A NaN left is an element nothing initialised (a param no reset_parameters() covers, an init=
-    # that skips one, a buffer computed in __init__): an error naming it, never garbage trained on.
-    for name, t in fresh.values():
-        if t.is_floating_point() and bool(torch.isnan(t).any()):
+    try:
+        bools = [name for name, t, _ in fresh.values() if t.dtype == torch.bool]
+        if bools and init is None:
             raise ValueError(
-                f"zerokern.shard: {name} was built on the meta device and is not initialised after "
-                + ("init(module)" if init is not None else "the reset_parameters() of the modules holding it")
-                + " (it still holds NaN): initialise it in init=fn (fn(module) initialises the unit's params and "
-                "buffers in place), or give its module a reset_parameters(). A param tied to one of a unit sharded "
-                "earlier is initialised by that unit")
+                f"zerokern.shard: {bools[0]} is a bool tensor built on the meta device, whose values (a mask "
+                "computed in __init__) no reset_parameters() restores; pass init=fn to zerokern.shard and set it "
+                "there, or register it after shard()")
+        with torch.no_grad():
+            if init is not None:
+                init(module)
+            else:
+                for m in scope:
+                    if id(m) in owners and hasattr(m, "reset_parameters"):
+                        m.reset_parameters()
+        # An element still holding its mark is one nothing initialised (a param no reset_parameters()
+        # covers, an init= that skips one, a buffer computed in __init__): an error naming it, never
+        # uninitialised values trained on.
+        for name, q, version in taken.values():
+            if q._version != version:
+                raise ValueError(
+                    f"zerokern.shard: {name} is tied to a param of a unit sharded earlier, which initialised it; "
+                    "this unit's init wrote to it, which does nothing (it is sharded there): initialise it in the "
+                    "init of the unit sharded first")
+        for name, t, _ in fresh.values():
+            if _untouched(t):
+                raise ValueError(
+                    f"zerokern.shard: {name} was built on the meta device and is not initialised after "
+                    + ("init(module)" if init is not None else "the reset_parameters() of the modules holding it")
+                    + " (it still holds the NaN or max-int it was filled with): initialise it in init=fn (fn(module) "
+                    "initialises the unit's params and buffers in place), or give its module a reset_parameters(). "
+                    "A param tied to one of a unit sharded earlier is initialised by that unit")
+    except BaseException:
+        for d, key, old in undo:  # back on meta: a second shard() call starts from scratch
+            d[key] = old
+        raise
+    for _, q, p in fresh.values():
+        if p is not None:
+            _DONE[p] = q  # later units holding the same meta param take this one

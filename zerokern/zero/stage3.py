@@ -196,6 +196,8 @@ class Stage3Runtime:
         for owner in {id(m): m for m in [module] + [m for m, _ in unit.param_owners]}.values():
             owner.register_state_dict_pre_hook(_refuse(unit.name, "state_dict()"))
             owner.register_load_state_dict_pre_hook(_refuse(unit.name, "load_state_dict()"))
+            if owner is not module:  # called from outside the unit's forward (another unit's), it gathers
+                self.add_foreign_use(owner, unit)
         return up
 
     def add_foreign_use(self, holder: torch.nn.Module, unit) -> None:
@@ -209,11 +211,12 @@ class Stage3Runtime:
         up = self._of[id(unit)]
 
         def pre(module, args):
-            up.unshard()
+            if up.state is not ParamState.GATHERED:
+                up.unshard()
 
         def post(module, args, output):
-            if _in_backward():
-                return
+            if _in_backward() or up.active > 0:
+                return  # inside the unit's own forward: its hooks do the rest
             if torch.is_grad_enabled():
                 tensors = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
                 if tensors:
@@ -260,6 +263,7 @@ class Stage3Runtime:
                 self._end_queued = False  # a backward that raised never ran its callback
                 for x in self.units:
                     x.active = 0  # a forward that raised never ran its post-hooks
+                    x.got = 0  # a backward that raised left its count
             self._depth += 1
             up.active += 1
             if up not in self._pre:
@@ -279,6 +283,7 @@ class Stage3Runtime:
             if up not in self._post:
                 self._post.append(up)
             grad = torch.is_grad_enabled()
+            tensors = []
             if grad:
                 tensors = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
                 if tensors:
@@ -290,13 +295,17 @@ class Stage3Runtime:
                 self.backward_order = self._post[::-1] + [x for x in self.backward_order if id(x) not in post]
             # A root (a unit with units inside) that ends the forward stays gathered: its backward
             # comes first, as FSDP2 keeps its root. Without backward (no_grad) everything goes.
-            keep = grad and outermost and up.is_root
+            # So does a unit whose backward no output announces (gradients reach it another way).
+            keep = grad and ((outermost and up.is_root) or not tensors)
             if not keep and (up.reshard_after_forward or not grad):
                 up.reshard()
             if outermost and up.is_root:
                 for x in self.units:  # a prefetch no unit used; everything when no backward follows
                     if not grad or id(x) not in pre:
                         x.reshard()
+                nxt = self._next(self.backward_order, up) if grad and self.prefetch else None
+                if nxt is not None:
+                    nxt.launch()  # the first unit backward reaches after the root: behind the loss
         return hook
 
     # --- backward --------------------------------------------------------------

@@ -111,6 +111,7 @@ class FlatParams:
         # shard_params(); the full buffers then hold values only while the unit is gathered)
         self.shards_params = config.stage == 3 and comm.distributed
         self.param_shards: Optional[List[torch.Tensor]] = None
+        self.empty_versions: List[Optional[int]] = [None] * len(params)  # p._version when its data went empty
         if self.releases:
             self.buckets = [ReleasingGradBucket(self.layout, b, self.dtype, self.device, comm, self.rank, True,
                                                 f"{unit_name}:{dt}:{b.index}", on_release=self._released,
@@ -241,6 +242,7 @@ class FlatParams:
 
     def bind_full(self) -> None:
         """The unit was gathered: each param's data is its view of the full buffer again."""
+        self.check_untouched(forget=True)
         with torch.no_grad():
             for i, p in enumerate(self.params):
                 p.data = self.param_bufs.view(i, self.shapes[i])
@@ -253,6 +255,21 @@ class FlatParams:
             for i, p in enumerate(self.params):
                 p.data = placeholder
                 self.ptrs[i] = p.data_ptr()
+                self.empty_versions[i] = p._version
+
+    def check_untouched(self, forget: bool = False) -> None:
+        """A param changed in place while its unit was sharded (its version counter moved: clamp_,
+        an init, copy_ into it) changed nothing, since it held no values: an error, not a no-op."""
+        for i, p in enumerate(self.params):
+            v = self.empty_versions[i]
+            if v is not None and p._version != v:
+                raise RuntimeError(
+                    f"zerokern: {self.names[i]} (unit '{self.unit_name}') was changed in place while its unit was "
+                    "sharded (at stage 3 a param holds no values between its unit's forward and backward, so "
+                    "p.clamp_(), an nn.init call or copy_ into it would do nothing). Changing weights between "
+                    "steps is not offered at stage 3 yet; do it before zerokern.shard(), or use stage 2")
+            if forget:
+                self.empty_versions[i] = None
 
     def check_moved(self, i: int) -> None:
         """A clear error for a param moved to another device or dtype after it was sharded."""
@@ -362,6 +379,8 @@ class ShardUnit:
         - a grad set to None (torch's way to skip a param this step) no longer counts.
         A .grad that is still the view bound last is passed on identity and a pointer."""
         for f in self.flat:
+            if f.shards_params:
+                f.check_untouched()
             for i, (p, ptr) in enumerate(zip(f.params, f.ptrs)):
                 if p.data_ptr() != ptr:
                     f.adopt(i)

@@ -1,6 +1,8 @@
 """Rank functions for tests/test_stage3.py: params sharded too, gathered unit by unit for the
 forward and backward ([Note: stage-3 params] in zerokern/zero/stage3.py)."""
 
+import gc
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -50,16 +52,21 @@ def _model(stage, layers, ckpt, dtype, cap_mb, reshard_after_forward=True, max_g
 def _full_params(model, opt):
     """Every param's full values (a stage-3 model is gathered for the read, then freed again)."""
     if opt.stage3 is not None:
-        for up in opt.stage3.units:
+        for up in _mine(opt):
             up.unshard()
     out = {n: p.detach().clone() for n, p in model.named_parameters()}
     if opt.stage3 is not None:
-        opt.stage3.reshard_all()
+        opt.stage3.reshard_all(opt.units)
     return out
 
 
+def _mine(opt):
+    """The stage-3 units of this optimizer (the runtime is shared by every model on the group)."""
+    return [opt.stage3.of(u) for u in opt.units]
+
+
 def _states(opt):
-    return [up.state for up in opt.stage3.units]
+    return [up.state for up in _mine(opt)]
 
 
 def train(rank, world, dtype="float32", ckpt=None, reshard_after_forward=True, accumulate=False,
@@ -69,6 +76,11 @@ def train(rank, world, dtype="float32", ckpt=None, reshard_after_forward=True, a
     gathered when: between steps nothing, during a block's forward at most the root, that block
     and the next (prefetched) one."""
     dtype = getattr(torch, dtype)
+    other, other_opt = _model(3, layers, None, dtype, cap_mb)  # another stage-3 model on the same group,
+    _loss(other, _data(0, 1)).backward()  # trained once and dropped: nothing may prefetch its units later
+    other_opt.step()
+    del other, other_opt
+    gc.collect()
     runs = {s: _model(s, layers, ckpt, dtype, cap_mb, reshard_after_forward, max_grad_norm, head_unit)
             for s in (2, 3)}
     torch.manual_seed(0)
@@ -78,7 +90,7 @@ def train(rank, world, dtype="float32", ckpt=None, reshard_after_forward=True, a
     model.skip = ref.skip = runs[2][0].skip = set(skip)
     out = {"losses": {2: [], 3: []}, "gathered_in_block": [], "next_ready": [], "after_backward": [],
            "after_step": [], "param_shapes_between": None, "nbytes_between": [], "nbytes_full": None}
-    units = opt.stage3.units
+    units = _mine(opt)
     block_units = [next(up for up in units if up.unit.module() is b) for b in model.blocks]
     for k, b in enumerate(model.blocks):
         def look(*_, k=k):
@@ -114,7 +126,11 @@ def train(rank, world, dtype="float32", ckpt=None, reshard_after_forward=True, a
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm)
         ref_opt.step()
-    out["nbytes_full"] = sum(p.numel() * p.element_size() for p in _full_params(*runs[2]).values())
+    full2 = _full_params(*runs[2])
+    out["nbytes_full"] = sum(p.numel() * p.element_size() for p in full2.values())
+    # [Note: the stage-3 working set]: the root, the unit computing and the one prefetched
+    block = sum(v.numel() * v.element_size() for k, v in full2.items() if k.startswith("blocks.0."))
+    out["gathered_peak"], out["working_set"] = opt.stage3.peak_bytes, out["nbytes_full"] - (layers - 2) * block
     with torch.no_grad():  # evaluation: gathered for the forward, freed after it
         ev = {s: m(_data(99, 1)[:, :-1]) for s, (m, _) in runs.items()}
     out["eval_equal"] = torch.equal(ev[2], ev[3])

@@ -26,23 +26,26 @@ from .materialize import in_scope, materialize
 from .stage3 import runtime_for
 from .unit import OffloadPolicy, ShardConfig, ShardUnit
 
-# param -> the unit that owns it. Weak: a param that dies (or a deepcopy's new
-# param) is not in it; the unit holds its params strongly.
+# param -> a weak reference to the unit that owns it. Weak both ways: a param that dies (or a
+# deepcopy's new param) is not in it, and the unit (which holds its params strongly) lives as long
+# as its module (module._zerokern_unit) or its optimizer holds it; a strong value here would keep
+# every sharded model alive for good.
 _OWNER = WeakIdKeyDictionary()
 
 
 def unit_of(param: torch.Tensor) -> Optional[ShardUnit]:
-    return _OWNER.get(param)
+    ref = _OWNER.get(param)
+    return ref() if ref is not None else None
 
 
 def make_unit(params, names, runs, comm: Comm, config: ShardConfig, name: str) -> ShardUnit:
     for p, n in zip(params, names):
-        owner = _OWNER.get(p)
+        owner = unit_of(p)
         if owner is not None:
             raise ValueError(f"zerokern: {n} is already sharded by unit '{owner.name}'")
     unit = ShardUnit(params, names, runs, comm, config, name)
     for p in unit.params:
-        _OWNER[p] = unit
+        _OWNER[p] = weakref.ref(unit)
     return unit
 
 

@@ -34,7 +34,7 @@ the unit and leaves it gathered for its backward.
 """
 
 import weakref
-from typing import Dict, List
+from typing import List
 
 import torch
 import torch.utils._pytree as pytree
@@ -165,10 +165,13 @@ class Stage3Runtime:
 
     def __init__(self, comm):
         self.comm, self.group = comm, comm.group
-        self.units: List[UnitParams] = []
-        self._of: Dict[int, UnitParams] = {}
-        self.order: List[UnitParams] = []  # pre-forward order of the last forward
-        self.backward_order: List[UnitParams] = []  # the reverse of the last forward's post-forward order
+        # Weak: a unit's UnitParams lives as long as its module's hooks (which hold it); a model
+        # that is dropped takes its units along, and no later forward prefetches them.
+        self._units: List[weakref.ref] = []
+        self._of = weakref.WeakValueDictionary()  # id(ShardUnit) -> UnitParams
+        # weak references: an order must not keep a dropped model's units alive
+        self.order: List[weakref.ref] = []  # pre-forward order of the last forward
+        self.backward_order: List[weakref.ref] = []  # the reverse of the last forward's post-forward order
         self._pre: List[UnitParams] = []  # the running forward's orders, recorded as it goes
         self._post: List[UnitParams] = []
         self._depth = 0  # unit forwards running (nested)
@@ -179,6 +182,13 @@ class Stage3Runtime:
         self.gathered_bytes = 0  # bytes of full param buffers allocated now (UnitParams counts)
         self.peak_bytes = 0  # their peak since reset_peak(): the gathered working set
 
+    @property
+    def units(self) -> List[UnitParams]:
+        live = [r() for r in self._units]
+        if any(up is None for up in live):
+            self._units = [r for r, up in zip(self._units, live) if up is not None]
+        return [up for up in live if up is not None]
+
     def reset_peak(self) -> None:
         self.peak_bytes = self.gathered_bytes
 
@@ -188,7 +198,7 @@ class Stage3Runtime:
         up.shard()
         module = unit.module()
         up.is_root = any(any(m is x.unit.module() for m in module.modules()) for x in self.units)
-        self.units.append(up)
+        self._units.append(weakref.ref(up))
         self._of[id(unit)] = up
         module.register_forward_pre_hook(self._pre_forward_hook(up))
         module.register_forward_hook(self._post_forward_hook(up), always_call=True)
@@ -235,19 +245,26 @@ class Stage3Runtime:
 
     def expect_order(self, units) -> None:
         """The forward order the optimizer expects (from the params' order), until a forward shows one."""
-        if not self.order:
-            ups = [self._of[id(u)] for u in units]
-            self.order, self.backward_order = ups, ups[::-1]
+        ups = [weakref.ref(self._of[id(u)]) for u in units]
+        self.order, self.backward_order = ups, ups[::-1]
+
+    def _iteration_ends(self) -> None:
+        """A backward began or step() ran: the next unit forward starts a new order (the last
+        one's lists go, so they keep no dropped model's units alive)."""
+        self._new_forward = True
+        self._pre, self._post = [], []
 
     def reshard_all(self, units=None) -> None:
-        self._new_forward = True
+        self._iteration_ends()
         for up in (self.units if units is None else [self._of[id(u)] for u in units]):
             up.reshard()
 
     @staticmethod
     def _next(order, up):
-        k = next((j for j, x in enumerate(order) if x is up), None)
-        return order[k + 1] if k is not None and k + 1 < len(order) else None
+        """The live unit after `up` in `order` (weak references), or None."""
+        live = [x for x in (r() for r in order) if x is not None]
+        k = next((j for j, x in enumerate(live) if x is up), None)
+        return live[k + 1] if k is not None and k + 1 < len(live) else None
 
     # --- forward ---------------------------------------------------------------
 
@@ -290,9 +307,9 @@ class Stage3Runtime:
                     register_multi_grad_hook(tensors, lambda _grads: self._pre_backward(up), mode="any")
             outermost = self._depth == 0
             if outermost:  # the orders this iteration has shown so far, for the next one's prefetches
-                pre, post = set(map(id, self._pre)), set(map(id, self._post))
-                self.order = self._pre + [x for x in self.order if id(x) not in pre]
-                self.backward_order = self._post[::-1] + [x for x in self.backward_order if id(x) not in post]
+                pre = set(map(id, self._pre))
+                self.order = [weakref.ref(x) for x in self._pre]
+                self.backward_order = [weakref.ref(x) for x in self._post[::-1]]
             # A root (a unit with units inside) that ends the forward stays gathered: its backward
             # comes first, as FSDP2 keeps its root. Without backward (no_grad) everything goes.
             # So does a unit whose backward no output announces (gradients reach it another way).
@@ -311,7 +328,7 @@ class Stage3Runtime:
     # --- backward --------------------------------------------------------------
 
     def _queue_end_of_backward(self) -> None:
-        self._new_forward = True
+        self._iteration_ends()
         if not self._end_queued:
             self._end_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)

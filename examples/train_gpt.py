@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import zerokern
 from zerokern import FusedZeroAdam
 from zerokern.zero import exit_drain
 
@@ -74,7 +75,13 @@ def train(args, rank=0, world=1, device="cpu"):
     torch.manual_seed(args.seed)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     model = GPT(args.vocab, args.d_model, args.heads, args.layers, args.ctx).to(device, dtype)
-    if args.optimizer == "zerokern":
+    if args.optimizer == "zerokern" and args.zero_stage == 3:  # params sharded too: each block a unit
+        for blk in model.blocks:
+            zerokern.shard(blk, stage=3, bucket_cap_mb=args.bucket_cap_mb)
+        zerokern.shard(model, stage=3, bucket_cap_mb=args.bucket_cap_mb)  # embedding, final norm
+        opt = FusedZeroAdam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+        net = model
+    elif args.optimizer == "zerokern":
         opt = FusedZeroAdam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
                             zero_stage=args.zero_stage, bucket_cap_mb=args.bucket_cap_mb)
         net = model
@@ -128,7 +135,8 @@ def memory(opt, model):
 def parser():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--optimizer", choices=["zerokern", "torch"], default="zerokern")
-    ap.add_argument("--zero-stage", type=int, choices=[0, 1, 2], default=None)
+    ap.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
+                    help="3: zerokern.shard(stage=3) on each block and the root")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--grad-accum", type=int, default=1)
     ap.add_argument("--steps", type=int, default=60)

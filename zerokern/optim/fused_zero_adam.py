@@ -72,7 +72,9 @@ class StepOptions:
 
 
 class FusedZeroAdam(torch.optim.Optimizer):
-    """Adam/AdamW with ZeRO stage 0/1/2 sharding and fused kernels.
+    """Adam/AdamW with ZeRO stage 0/1/2/3 sharding and fused kernels (stage 3: params sharded
+    with zerokern.shard(module, stage=3) on each block and the root; [Note: stage-3 params] in
+    zero/stage3.py).
 
     FusedZeroAdam(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=None, *,
                   adam_w_mode=True, bias_correction=True, zero_stage=None, process_group=None,

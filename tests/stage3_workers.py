@@ -410,3 +410,20 @@ def meta_frozen_and_retry(rank, world):
     full = _full_params(mha, opt)
     got["mha_finite"] = all(bool(torch.isfinite(v).all()) for v in full.values())
     return got
+
+
+def mismatched_shard(rank, world):
+    """One rank shards with other options, or a block of another width: every rank raises."""
+    out = {}
+    torch.manual_seed(0)
+    try:
+        zerokern.shard(torch.nn.Linear(8, 8), stage=3, bucket_cap_mb=1.0 + rank)
+        out["options"] = None
+    except ValueError as e:
+        out["options"] = str(e)
+    try:
+        zerokern.shard(torch.nn.Linear(8, 8 + rank), stage=3)
+        out["shapes"] = None
+    except ValueError as e:
+        out["shapes"] = str(e)
+    return out

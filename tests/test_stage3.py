@@ -192,3 +192,10 @@ def test_meta_init_takes_rank0_frozen_values_and_can_be_retried():
         assert torch.equal(r["frozen"], rs[0]["frozen"]) and torch.equal(r["scale"], rs[0]["scale"])
         assert r["first_error"] and "in_proj_weight" in r["first_error"] and r["back_on_meta"], r
         assert r["mha_finite"]
+
+
+def test_ranks_that_shard_differently_all_raise():
+    for r in dist_harness.values(dist_harness.run(W.mismatched_shard, 2, timeout=120)):
+        for what in ("options", "shapes"):
+            assert r[what] and "the ranks shard different params or options" in r[what], r[what]
+            assert "rank 0:" in r[what] and "rank 1:" in r[what]

@@ -15,6 +15,7 @@ gathers them. Without shard(), FusedZeroAdam(params) makes one unit of the
 params itself.
 """
 
+import hashlib
 import weakref
 from typing import Callable, Dict, List, Optional
 
@@ -134,6 +135,8 @@ def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket
                              "(module.to_empty(device=...) and initialise it), or shard it with stage=3, which "
                              "materialises one unit at a time")
     comm = Comm(process_group)
+    if stage == 3 and comm.distributed:  # shard() runs collectives from here on: agree first
+        _check_same_on_every_rank(comm, module, config, params, names)
     unit = make_unit(params, names, runs, comm, config, type(module).__name__)
     unit.module_slots = []
     for p, n in zip(params, names):
@@ -170,6 +173,19 @@ def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket
         _CLASSES[cls] = type(f"Zero{cls.__name__}", (ZeroModule, cls), {})
     module.__class__ = _CLASSES[cls]
     return module
+
+
+def _check_same_on_every_rank(comm, module, config, params, names) -> None:
+    """One collective: every rank shards the same params with the same options, or every rank
+    raises, listing what each rank has (a mismatch would otherwise pair broadcasts of other sizes)."""
+    desc = repr((config, [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for p, n in zip(params, names)]))
+    mine = (hashlib.sha256(desc.encode()).hexdigest()[:16], len(params), sum(p.numel() for p in params), repr(config))
+    everyone = comm.gather_objects(mine)
+    if any(other != everyone[0] for other in everyone):
+        lines = [f"rank {r}: {n} params, {numel} elements, names/shapes/dtypes #{h}, {cfg}"
+                 for r, (h, n, numel, cfg) in enumerate(everyone)]
+        raise ValueError(f"zerokern.shard({type(module).__name__}, stage=3): the ranks shard different params or "
+                         "options; every rank must shard the same model the same way:\n  " + "\n  ".join(lines))
 
 
 def _inside(module, unit) -> bool:

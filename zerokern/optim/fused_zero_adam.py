@@ -261,18 +261,9 @@ class FusedZeroAdam(torch.optim.Optimizer):
     def _broadcast_params(self):
         """As DDP: every rank starts from rank 0's params, frozen ones too (one broadcast per
         bucket buffer and per frozen param)."""
-        if not self.comm.distributed:
-            return
-        works = [self.comm.broadcast(buf, name="broadcast_params") for u in self.units for f in u.flat
-                 if f.param_shards is None for buf in f.param_bufs.buffers]  # stage 3: shard() did it
-        frozen = [p.data if p.data.is_contiguous() else p.data.contiguous() for _, p in self._frozen]
-        works += [self.comm.broadcast(t, name="broadcast_params") for t in frozen]
-        for w in works:
-            self.comm.wait(w)
-        with torch.no_grad():
-            for (_, p), t in zip(self._frozen, frozen):
-                if t.data_ptr() != p.data_ptr():
-                    p.copy_(t)
+        self.comm.broadcast_from_first(
+            [buf for u in self.units for f in u.flat if f.param_shards is None  # stage 3: shard() did it
+             for buf in f.param_bufs.buffers] + [p for _, p in self._frozen])
 
     def _check_frozen(self):
         for k, p in self._frozen:
@@ -306,8 +297,8 @@ class FusedZeroAdam(torch.optim.Optimizer):
                      [len(g["params"]) for g in self.param_groups]))
         mine = (hashlib.sha256(desc.encode()).hexdigest()[:16], len(params), sum(p.numel() for p in params),
                 repr(config), repr(self.options))
-        everyone = self.comm.gather_objects(mine)  # one collective, on every rank
-        if any(other != everyone[0] for other in everyone):
+        everyone = self.comm.differing(mine)
+        if everyone is not None:
             lines = [f"rank {r}: {n} params, {numel} elements, shapes/dtypes/order/groups #{h}, {cfg}, {opts}"
                      for r, (h, n, numel, cfg, opts) in enumerate(everyone)]
             raise ValueError("FusedZeroAdam: the ranks passed different parameters (shapes, dtypes or order) or "

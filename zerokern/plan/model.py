@@ -216,10 +216,11 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
         if v is not None:
             _positive(name, v, allow_zero=True)
     if params is None:  # one layer is a unit; the root holds the embeddings and final norms
-        per_gpu_fn = transformer_params_per_gpu if arch == "gpt" else (
-            lambda n, *a, tp=1, pp=1: llama_params_per_gpu(n, hidden, vocab, ffn_hidden, heads, kv, tp=tp, pp=pp))
-        args = (hidden, vocab, ffn_hidden) if arch == "gpt" else ()
-        unit_params = per_gpu_fn(pp, *args, tp=tp, pp=pp) - per_gpu_fn(0, *args, tp=tp, pp=pp)
+        if arch == "gpt":
+            with_layers = lambda n: transformer_params_per_gpu(n, hidden, vocab, ffn_hidden, tp, pp)  # noqa: E731
+        else:
+            with_layers = lambda n: llama_params_per_gpu(n, hidden, vocab, ffn_hidden, heads, kv, tp, pp)  # noqa: E731
+        unit_params = with_layers(pp) - with_layers(0)  # pp layers in all = one on this stage
         root_params = per_gpu - layers // pp * unit_params
     elif root_params is None:
         root_params = largest_param or 0

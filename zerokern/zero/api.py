@@ -154,13 +154,7 @@ def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket
         whole = {id(t): t for m in in_scope(module, lambda c: isinstance(c, ZeroModule))
                  for t in list(m._parameters.values()) + list(m._buffers.values())
                  if t is not None and not (isinstance(t, torch.nn.Parameter) and t.requires_grad)}
-        pairs = [(t, t.data if t.is_contiguous() else t.data.contiguous()) for t in whole.values()]
-        for w in [comm.broadcast(c, name="broadcast_params") for _, c in pairs]:
-            comm.wait(w)
-        with torch.no_grad():
-            for t, c in pairs:
-                if c.data_ptr() != t.data_ptr():
-                    t.data.copy_(c)
+        comm.broadcast_from_first(list(whole.values()))
         runtime = runtime_for(comm)
         runtime.add(unit)  # [Note: stage-3 params]: this rank keeps its slice from now on
         for n, p in module.named_parameters(remove_duplicate=False):
@@ -180,8 +174,8 @@ def _check_same_on_every_rank(comm, module, config, params, names) -> None:
     raises, listing what each rank has (a mismatch would otherwise pair broadcasts of other sizes)."""
     desc = repr((config, [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for p, n in zip(params, names)]))
     mine = (hashlib.sha256(desc.encode()).hexdigest()[:16], len(params), sum(p.numel() for p in params), repr(config))
-    everyone = comm.gather_objects(mine)
-    if any(other != everyone[0] for other in everyone):
+    everyone = comm.differing(mine)
+    if everyone is not None:
         lines = [f"rank {r}: {n} params, {numel} elements, names/shapes/dtypes #{h}, {cfg}"
                  for r, (h, n, numel, cfg) in enumerate(everyone)]
         raise ValueError(f"zerokern.shard({type(module).__name__}, stage=3): the ranks shard different params or "

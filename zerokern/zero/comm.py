@@ -17,6 +17,7 @@ import itertools
 import time
 from contextlib import nullcontext
 
+import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
@@ -173,6 +174,25 @@ class Comm:
         t0 = time.perf_counter()
         work.wait()
         self.wait_seconds += time.perf_counter() - t0
+
+    def broadcast_from_first(self, tensors, name="broadcast_params"):
+        """Every rank takes group rank 0's values of `tensors` (blocking; one broadcast each, all
+        launched before the first wait). A non-contiguous tensor travels as a contiguous copy."""
+        if not self.distributed:
+            return
+        pairs = [(t, t.data if t.is_contiguous() else t.data.contiguous()) for t in tensors]
+        for w in [self.broadcast(c, name=name) for _, c in pairs]:
+            self.wait(w)
+        with torch.no_grad():
+            for t, c in pairs:
+                if c.data_ptr() != t.data_ptr():
+                    t.data.copy_(c)
+
+    def differing(self, mine):
+        """Every rank's `mine` (small, picklable) where the ranks' differ, else None. One
+        collective, on every rank, so every rank can raise alike."""
+        everyone = self.gather_objects(mine)
+        return everyone if any(other != everyone[0] for other in everyone) else None
 
     def gather_objects(self, obj):
         """Every rank's `obj` (small, picklable), on every rank."""

@@ -147,6 +147,15 @@ class UnitParams:
             buf.untyped_storage().nbytes() for f in self.flats for buf in f.param_bufs.buffers)
 
 
+class _Order(list):
+    """Units in an order, as weak references (an order must not keep a dropped model's units
+    alive), with each unit's index (`at`), so a hook finds the next one without a scan."""
+
+    def __init__(self, units):
+        super().__init__(weakref.ref(u) for u in units)
+        self.at = {id(u): k for k, u in enumerate(units)}
+
+
 # One runtime per process group: the stage-3 units sharded over it, in one forward order. Weak:
 # the units' module hooks keep a runtime alive as long as a model uses it.
 _RUNTIMES = weakref.WeakValueDictionary()
@@ -170,10 +179,11 @@ class Stage3Runtime:
         self._units: List[weakref.ref] = []
         self._of = weakref.WeakValueDictionary()  # id(ShardUnit) -> UnitParams
         # weak references: an order must not keep a dropped model's units alive
-        self.order: List[weakref.ref] = []  # pre-forward order of the last forward
-        self.backward_order: List[weakref.ref] = []  # the reverse of the last forward's post-forward order
+        self.order = _Order([])  # pre-forward order of the last forward
+        self.backward_order = _Order([])  # the reverse of the last forward's post-forward order
         self._pre: List[UnitParams] = []  # the running forward's orders, recorded as it goes
         self._post: List[UnitParams] = []
+        self._seen, self._post_seen = set(), set()  # id() of the units in _pre / _post (no scan per hook)
         self._depth = 0  # unit forwards running (nested)
         self._new_forward = True  # the next unit forward begins an iteration (after backward or step())
         self._end_queued = False
@@ -245,14 +255,14 @@ class Stage3Runtime:
 
     def expect_order(self, units) -> None:
         """The forward order the optimizer expects (from the params' order), until a forward shows one."""
-        ups = [weakref.ref(self._of[id(u)]) for u in units]
-        self.order, self.backward_order = ups, ups[::-1]
+        ups = [self._of[id(u)] for u in units]
+        self.order, self.backward_order = _Order(ups), _Order(ups[::-1])
 
     def _iteration_ends(self) -> None:
         """A backward began or step() ran: the next unit forward starts a new order (the last
         one's lists go, so they keep no dropped model's units alive)."""
         self._new_forward = True
-        self._pre, self._post = [], []
+        self._pre, self._post, self._seen, self._post_seen = [], [], set(), set()
 
     def reshard_all(self, units=None) -> None:
         self._iteration_ends()
@@ -261,10 +271,16 @@ class Stage3Runtime:
 
     @staticmethod
     def _next(order, up):
-        """The live unit after `up` in `order` (weak references), or None."""
-        live = [x for x in (r() for r in order) if x is not None]
-        k = next((j for j, x in enumerate(live) if x is up), None)
-        return live[k + 1] if k is not None and k + 1 < len(live) else None
+        """The live unit after `up` in `order` (a list of weak references, each with the index of
+        its unit under order.at), or None."""
+        k = order.at.get(id(up))
+        if k is None or order[k]() is not up:  # not in it (an id can be reused by a new unit)
+            return None
+        for r in order[k + 1:]:
+            x = r()
+            if x is not None:
+                return x
+        return None
 
     # --- forward ---------------------------------------------------------------
 
@@ -276,14 +292,15 @@ class Stage3Runtime:
                 return
             if self._new_forward:  # the first unit forward since the last backward or step()
                 self._new_forward = False
-                self._pre, self._post, self._depth = [], [], 0
+                self._pre, self._post, self._seen, self._post_seen, self._depth = [], [], set(), set(), 0
                 self._end_queued = False  # a backward that raised never ran its callback
                 for x in self.units:
                     x.active = 0  # a forward that raised never ran its post-hooks
                     x.got = 0  # a backward that raised left its count
             self._depth += 1
             up.active += 1
-            if up not in self._pre:
+            if id(up) not in self._seen:
+                self._seen.add(id(up))
                 self._pre.append(up)
             up.unshard()
             nxt = self._next(self.order, up) if self.prefetch else None
@@ -297,7 +314,8 @@ class Stage3Runtime:
                 return  # gathered for its backward, which follows
             self._depth -= 1
             up.active -= 1
-            if up not in self._post:
+            if id(up) not in self._post_seen:
+                self._post_seen.add(id(up))
                 self._post.append(up)
             grad = torch.is_grad_enabled()
             tensors = []
@@ -307,9 +325,7 @@ class Stage3Runtime:
                     register_multi_grad_hook(tensors, lambda _grads: self._pre_backward(up), mode="any")
             outermost = self._depth == 0
             if outermost:  # the orders this iteration has shown so far, for the next one's prefetches
-                pre = set(map(id, self._pre))
-                self.order = [weakref.ref(x) for x in self._pre]
-                self.backward_order = [weakref.ref(x) for x in self._post[::-1]]
+                self.order, self.backward_order = _Order(self._pre), _Order(self._post[::-1])
             # A root (a unit with units inside) that ends the forward stays gathered: its backward
             # comes first, as FSDP2 keeps its root. Without backward (no_grad) everything goes.
             # So does a unit whose backward no output announces (gradients reach it another way).
@@ -318,7 +334,7 @@ class Stage3Runtime:
                 up.reshard()
             if outermost and up.is_root:
                 for x in self.units:  # a prefetch no unit used; everything when no backward follows
-                    if not grad or id(x) not in pre:
+                    if not grad or id(x) not in self._seen:
                         x.reshard()
                 nxt = self._next(self.backward_order, up) if grad and self.prefetch else None
                 if nxt is not None:

@@ -242,9 +242,10 @@ class FlatParams:
 
     def bind_full(self) -> None:
         """The unit was gathered: each param's data is its view of the full buffer again."""
-        self.check_untouched(forget=True)
         with torch.no_grad():
             for i, p in enumerate(self.params):
+                self.check_untouched(i)
+                self.empty_versions[i] = None
                 p.data = self.param_bufs.view(i, self.shapes[i])
                 self.ptrs[i] = p.data_ptr()
 
@@ -257,19 +258,16 @@ class FlatParams:
                 self.ptrs[i] = p.data_ptr()
                 self.empty_versions[i] = p._version
 
-    def check_untouched(self, forget: bool = False) -> None:
-        """A param changed in place while its unit was sharded (its version counter moved: clamp_,
+    def check_untouched(self, i: int) -> None:
+        """params[i] changed in place while its unit was sharded (its version counter moved: clamp_,
         an init, copy_ into it) changed nothing, since it held no values: an error, not a no-op."""
-        for i, p in enumerate(self.params):
-            v = self.empty_versions[i]
-            if v is not None and p._version != v:
-                raise RuntimeError(
-                    f"zerokern: {self.names[i]} (unit '{self.unit_name}') was changed in place while its unit was "
-                    "sharded (at stage 3 a param holds no values between its unit's forward and backward, so "
-                    "p.clamp_(), an nn.init call or copy_ into it would do nothing). Changing weights between "
-                    "steps is not offered at stage 3 yet; do it before zerokern.shard(), or use stage 2")
-            if forget:
-                self.empty_versions[i] = None
+        v = self.empty_versions[i]
+        if v is not None and self.params[i]._version != v:
+            raise RuntimeError(
+                f"zerokern: {self.names[i]} (unit '{self.unit_name}') was changed in place while its unit was "
+                "sharded (at stage 3 a param holds no values between its unit's forward and backward, so "
+                "p.clamp_(), an nn.init call or copy_ into it would do nothing). Changing weights between "
+                "steps is not offered at stage 3 yet; do it before zerokern.shard(), or use stage 2")
 
     def check_moved(self, i: int) -> None:
         """A clear error for a param moved to another device or dtype after it was sharded."""
@@ -379,9 +377,8 @@ class ShardUnit:
         - a grad set to None (torch's way to skip a param this step) no longer counts.
         A .grad that is still the view bound last is passed on identity and a pointer."""
         for f in self.flat:
-            if f.shards_params:
-                f.check_untouched()
             for i, (p, ptr) in enumerate(zip(f.params, f.ptrs)):
+                f.check_untouched(i)  # stage 3 only: elsewhere nothing is recorded
                 if p.data_ptr() != ptr:
                     f.adopt(i)
                 f.sync_grad(i)

@@ -62,10 +62,6 @@ def test_grad_scaler_overflow_on_one_rank():
 
 def test_what_stage3_refuses():
     for r in dist_harness.values(dist_harness.run(W.errors, 2, timeout=120)):
-        for what in ("model.state_dict", "block.state_dict", "model.load_state_dict"):
-            assert r[what] and "stage 3" in r[what] and "unit '" in r[what], (what, r[what])
-        for what in ("opt.state_dict", "opt.full_state_dict"):
-            assert r[what] and "zero_stage=3" in r[what], (what, r[what])
         assert r["replaced data"] and "fc1.weight (unit 'Block')" in r["replaced data"], r["replaced data"]
         assert r["empty_between"]
 

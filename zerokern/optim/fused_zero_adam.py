@@ -253,7 +253,7 @@ class FusedZeroAdam(torch.optim.Optimizer):
             if self.comm.distributed and self.zero_stage >= 1:  # [Note: sharded state in checkpoints]
                 for key in checkpoint.SLICED:
                     if key in st:
-                        checkpoint.mark_slice(st[key], start, n, p.numel())
+                        checkpoint.mark_slice(st[key], start, n, f.shapes[i].numel())  # stage 3: p is empty
             self.state[p] = st
             out.append((tindex[p], off, n, start))
         return out
@@ -614,7 +614,6 @@ class FusedZeroAdam(torch.optim.Optimizer):
         """This rank's shard in torch.optim.AdamW's format: per param, views of this rank's
         slice (flattened) of "exp_avg", "exp_avg_sq" (and "master_param" for fp16/bf16
         params), "step"; every param-group key; and under "zerokern" where the slices lie."""
-        self._refuse_at_stage3("state_dict()")
         self.param_gather.wait_all()
         return checkpoint.shard_state_dict(self)
 
@@ -622,7 +621,6 @@ class FusedZeroAdam(torch.optim.Optimizer):
         """Collective (call on every rank): the whole state in torch.optim.AdamW's
         format on rank 0 (plus the fp32 master weights under "zerokern_master"),
         None on the other ranks."""
-        self._refuse_at_stage3("full_state_dict()")
         self.param_gather.wait_all()
         return checkpoint.full_state_dict(self)
 
@@ -630,15 +628,8 @@ class FusedZeroAdam(torch.optim.Optimizer):
         """A shard saved by this rank at this world size and layout, or a full
         state dict (from full_state_dict() at any world size, or from
         torch.optim.AdamW for the same params), re-sharded to this world size."""
-        self._refuse_at_stage3("load_state_dict()")
         self.param_gather.wait_all()
         checkpoint.load_state_dict(self, state_dict)
-
-    def _refuse_at_stage3(self, what):
-        if self.stage3 is not None:
-            raise NotImplementedError(
-                f"zerokern: FusedZeroAdam.{what} at zero_stage=3 is not offered yet (checkpoints of sharded params "
-                "are future work); use stage 2 to checkpoint, or save and load nothing at stage 3")
 
     # --- the rest of the Optimizer API -------------------------------------
 

@@ -4,7 +4,7 @@ reduction state (bucket.py, states.py), one collective order per optimizer
 (schedule.py), the master weights and Adam state per shard (store.py),
 collectives (comm.py) and state dicts (checkpoint.py). docs/DESIGN.md draws it."""
 
-from .api import ZeroModule, shard, unit_of
+from .api import ZeroModule, full_state_dict, shard, unit_of
 from .unit import OffloadPolicy, ShardConfig
 
-__all__ = ["shard", "unit_of", "ZeroModule", "OffloadPolicy", "ShardConfig"]
+__all__ = ["shard", "full_state_dict", "unit_of", "ZeroModule", "OffloadPolicy", "ShardConfig"]

@@ -169,6 +169,38 @@ def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket
     return module
 
 
+@torch.no_grad()
+def full_state_dict(model: torch.nn.Module, *, rank0_only: bool = True, device="cpu") -> dict:
+    """The whole state dict of a model sharded at stage 3 (any stage works), as model.state_dict()
+    of the same model unsharded would give it: every param whole, on `device`. A collective: every
+    rank calls it. rank0_only: the other ranks get {} (as torch's full state dicts), so only one
+    rank holds the whole model; the gather itself goes one bucket at a time. A snapshot: its
+    tensors are copies.
+    torch.save it, and load it with model.load_state_dict into any model, sharded or not."""
+    sd = model.state_dict()
+    comm, whole = None, {}  # id(param) -> its full values
+    for n, p in model.named_parameters(remove_duplicate=False):
+        unit = unit_of(p)
+        where = unit.locate(p) if unit is not None else None
+        if where is None or not where[0].shards_params or id(p) in whole:
+            continue
+        comm = unit.comm
+        f = where[0]
+        for b, bucket in enumerate(f.layout.buckets):  # the whole FlatParams at once: the same order everywhere
+            full = f.param_shards[b].new_empty(bucket.padded_numel)
+            comm.wait(comm.all_gather(full, f.param_shards[b], name="gather_state"))
+            for i in bucket.tensors:
+                slot = f.layout.slots[i]
+                whole[id(f.params[i])] = full[slot.offset:slot.offset + slot.numel].view(f.shapes[i]).to(device,
+                                                                                                        copy=True)
+    if rank0_only and comm is not None and comm.rank != 0:
+        return {}
+    params = dict(model.named_parameters(remove_duplicate=False))
+    # copies throughout (a snapshot, as the gathered ones are): training on does not change it
+    return {k: (whole[id(params[k])] if k in params and id(params[k]) in whole else v.to(device, copy=True))
+            for k, v in sd.items()}
+
+
 def _check_same_on_every_rank(comm, module, config, params, names) -> None:
     """One collective: every rank shards the same params with the same options, or every rank
     raises, listing what each rank has (a mismatch would otherwise pair broadcasts of other sizes)."""

@@ -120,15 +120,15 @@ def full_state_dict(opt):
         if opt.comm.rank != 0:
             continue
         for i in s.bucket.plan.tensors:
-            p, slot = s.flat.params[i], s.flat.layout.slots[i]
+            p, slot, shape = s.flat.params[i], s.flat.layout.slots[i], s.flat.shapes[i]  # stage 3: p is empty
             k = index[p]
             sl = slice(slot.offset, slot.offset + slot.numel)
             step = int(opt.state[p]["step"].item())
             if step > 0:
-                state[k] = {"step": torch.tensor(float(step)), "exp_avg": m[sl].view(p.shape).clone(),
-                            "exp_avg_sq": v[sl].view(p.shape).clone()}
+                state[k] = {"step": torch.tensor(float(step)), "exp_avg": m[sl].view(shape).clone(),
+                            "exp_avg_sq": v[sl].view(shape).clone()}
             if w is not None and s.low_precision:
-                masters[k] = w[sl].view(p.shape).clone()
+                masters[k] = w[sl].view(shape).clone()
     if opt.comm.rank != 0:
         return None
     out = {"state": state, "param_groups": _groups_meta(opt)}
@@ -187,6 +187,8 @@ def load_state_dict(opt, sd):
     # it was saved by this rank with these slices (a copy lost the marks: tensor.to("cpu:0")).
     mine_too = (meta is not None and meta.get("rank") == opt.comm.rank and meta.get("slices") == slices
                 and meta.get("world_size") == opt.comm.world_size)
+    numels = {p: s.flat.shapes[i].numel() for s in opt.stores for i in s.bucket.plan.tensors
+              for p in (s.flat.params[i],)}  # the params' own sizes (a stage-3 param is empty between steps)
     copies = []  # (destination, source or None for zeros)
     steps = []
     master_src = {}  # id(master view) -> the slice loaded into it
@@ -197,7 +199,7 @@ def load_state_dict(opt, sd):
         start, n = slices[k]
 
         def part(t, key):
-            return _my_slice(t, p, start, n, k, key, opt.comm.rank, mine_too)
+            return _my_slice(t, numels[p], start, n, k, key, opt.comm.rank, mine_too)
 
         for key in ("exp_avg", "exp_avg_sq"):
             copies.append((mine[key], part(theirs[key], key) if key in theirs else None))
@@ -227,20 +229,20 @@ def load_state_dict(opt, sd):
     opt._uniform_steps = len(set(opt._steps)) <= 1
 
 
-def _my_slice(t, p, start, n, k, key, rank, mine_too):
+def _my_slice(t, numel, start, n, k, key, rank, mine_too):
     """This rank's part of a saved state tensor: a whole one (any shape of p's numel) sliced,
     a marked slice that is exactly this rank's, or an unmarked one from this rank's shard."""
     where = _slice_of(t)
-    if where is not None and where[2] == p.numel() and where[:2] == (start, n):
+    if where is not None and where[2] == numel and where[:2] == (start, n):
         return t.reshape(-1)
-    if where is None and t.numel() == p.numel():
+    if where is None and t.numel() == numel:
         return t.reshape(-1)[start:start + n]
     if where is None and mine_too and t.numel() == n:
         return t.reshape(-1)
     got = (f"is the slice [{where[0]}, {where[0] + where[1]}) of {where[2]} elements" if where is not None
            else f"has {t.numel()} elements")
     raise ValueError(
-        f"state[{k}]['{key}'] {got}, but param {k} has {p.numel()} elements and this rank (rank "
+        f"state[{k}]['{key}'] {got}, but param {k} has {numel} elements and this rank (rank "
         f"{rank}) holds [{start}, {start + n}) of them. A shard from opt.state_dict() loads only into the "
         "same rank at the same world size and bucket layout; to re-shard, save with torch.distributed.checkpoint "
         "(dcp.save of get_optimizer_state_dict) or opt.full_state_dict()")

@@ -40,6 +40,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.autograd.graph import register_multi_grad_hook
 
+from . import model_state
 from .states import ParamState
 
 
@@ -47,13 +48,53 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _refuse(unit_name, what):
-    def hook(module, *_):
-        raise NotImplementedError(
-            f"zerokern: {type(module).__name__}.{what} at stage 3: the params of unit '{unit_name}' are sharded "
-            "(each rank holds a slice; outside the unit's forward and backward the params are empty), and "
-            "checkpoints of stage-3 models are not offered yet. Use stage 2 to checkpoint")
-    return hook
+def _hook_state_dicts(module, up) -> None:
+    """model.state_dict() and load_state_dict() of `module`'s own params that are `up`'s: this
+    rank's slices ([Note: stage-3 model state dicts] in model_state.py)."""
+    attrs = [a for a, p in module._parameters.items() if p is not None and up.unit.locate(p) is not None]
+    if not attrs:
+        return
+    popped = []  # keys the load pre-hook took; its post-hook takes them off missing_keys
+
+    def save(mod, state_dict, prefix, local_metadata):
+        for a in attrs:
+            key = prefix + a
+            where = up.unit.locate(mod._parameters.get(a))
+            if key in state_dict and where is not None:
+                f, i = where
+                start, n, b, off = f.my_slice(i)
+                t = model_state.to_boxes(f.param_shards[b][off:off + n], start, f.shapes[i])
+                up.handed.add(t, key)
+                state_dict[key] = t
+
+    def load(mod, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        if local_metadata.get("assign_to_params_buffers"):
+            error_msgs.append(f"zerokern: load_state_dict(assign=True) would replace the stage-3 params of unit "
+                              f"'{up.name}' (each rank keeps its slice of them); load without assign=True")
+            return
+        up.reshard()  # the slices are the truth; the next forward gathers the loaded values
+        for a in attrs:
+            key = prefix + a
+            where = up.unit.locate(mod._parameters.get(a))
+            if key not in state_dict or where is None:
+                continue
+            value = state_dict.pop(key)
+            popped.append(key)
+            err = model_state.load_param(where[0], where[1], value, key)
+            if err is not None:
+                error_msgs.append(err)
+            elif isinstance(value, torch.Tensor):
+                up.handed.taken(value)
+
+    def after_load(mod, incompatible_keys):
+        for key in popped:
+            if key in incompatible_keys.missing_keys:
+                incompatible_keys.missing_keys.remove(key)
+        popped.clear()
+
+    module.register_state_dict_post_hook(save)
+    module.register_load_state_dict_pre_hook(load)
+    module.register_load_state_dict_post_hook(after_load)
 
 
 class UnitParams:
@@ -72,6 +113,7 @@ class UnitParams:
         self.state = ParamState.GATHERED  # built from the whole module
         self._works = []
         self._empty = {}
+        self.handed = model_state.HandedOut()  # state_dict() copies, for a dcp.load never loaded
 
     def shard(self) -> None:
         """At zerokern.shard(): every rank takes rank 0's values (as DDP's construction does), keeps
@@ -94,6 +136,7 @@ class UnitParams:
         """SHARDED -> GATHERING: every rank's slices are gathered into the full buffers."""
         if self.state is not ParamState.SHARDED:
             return
+        self.handed.check(self.name)
         with torch.no_grad():
             for f in self.flats:
                 for b, buf in enumerate(f.param_bufs.buffers):
@@ -213,11 +256,9 @@ class Stage3Runtime:
         module.register_forward_pre_hook(self._pre_forward_hook(up))
         module.register_forward_hook(self._post_forward_hook(up), always_call=True)
         unit.after_grad = self._after_grad
-        for owner in {id(m): m for m in [module] + [m for m, _ in unit.param_owners]}.values():
-            owner.register_state_dict_pre_hook(_refuse(unit.name, "state_dict()"))
-            owner.register_load_state_dict_pre_hook(_refuse(unit.name, "load_state_dict()"))
-            if owner is not module:  # called from outside the unit's forward (another unit's), it gathers
-                self.add_foreign_use(owner, unit)
+        _hook_state_dicts(module, up)
+        for owner in {id(m): m for m in [m for m, _ in unit.param_owners] if m is not module}.values():
+            self.add_foreign_use(owner, unit)  # called from outside the unit's forward (another unit's), it gathers
         return up
 
     def add_foreign_use(self, holder: torch.nn.Module, unit) -> None:
@@ -229,6 +270,7 @@ class Stage3Runtime:
             return
         self._foreign.add(key)
         up = self._of[id(unit)]
+        _hook_state_dicts(holder, up)
 
         def pre(module, args):
             if up.state is not ParamState.GATHERED:

@@ -71,14 +71,19 @@ class ShardStore:
                 and all(torch.equal(v, g.to(v.device)) for v, g in zip(views, given)))
 
     def refresh_params(self, indices) -> None:
-        """A separate master re-reads the slices of these params (adopted with new values)."""
+        """A separate master re-reads the slices of these params (given new values). Not a
+        slice the model holds as the master's rounding: that is the same weight (a checkpoint's
+        model and optimizer state, loaded in either order), and its fp32 master stays."""
         if not self.separate_master:
             return
         f = self.flat
         for pc in f.layout.rank_pieces(f.rank, self.b):
             if pc.index in indices:
                 sl = slice(pc.shard_offset, pc.shard_offset + pc.numel)
-                self.master[sl].copy_(self._param_shard[sl])
+                shard, master = self._param_shard[sl], self.master[sl]
+                if self.master_valid and torch.equal(master.to(shard.device, shard.dtype), shard):
+                    continue
+                master.copy_(shard)
 
     def operands(self):
         """(master, grad, exp_avg, exp_avg_sq, model) for the fused kernel over this shard."""

@@ -123,6 +123,9 @@ class FlatParams:
         self.bound: List[Optional[torch.Tensor]] = [None] * len(params)  # the view each .grad was last set to
         self.ptrs = [p.data_ptr() for p in params]  # where each param's data must stay ([Note: ownership])
         self.changed = set()  # params adopted with new values since the stores last looked
+        # each param's version counter when the stores last looked: an in-place write to a param
+        # (load_state_dict, an nn.init call, clamp_ under no_grad) moves it ([Note: in-place weights])
+        self.versions = [p._version for p in params]
         for i, p in enumerate(params):
             had_grad = p.grad is not None
             if self.releases and not had_grad:
@@ -233,6 +236,16 @@ class FlatParams:
             return self.param_shards[b]
         return self.param_bufs.shard(self.rank, b)
 
+    def my_slice(self, i: int):
+        """(start, n, bucket, shard offset): this rank holds elements [start, start + n) of
+        params[i] flattened, at [shard offset, shard offset + n) of its shard of the bucket."""
+        slot = self.layout.slots[i]
+        first, end = self.layout.rank_range(self.rank, slot.bucket)
+        lo, hi = max(first, slot.offset), min(end, slot.offset + slot.numel)
+        if lo >= hi:
+            return 0, 0, slot.bucket, 0
+        return lo - slot.offset, hi - lo, slot.bucket, lo - first
+
     # --- stage 3 ([Note: stage-3 params] in stage3.py) --------------------------------
 
     def shard_params(self) -> None:
@@ -266,8 +279,8 @@ class FlatParams:
             raise RuntimeError(
                 f"zerokern: {self.names[i]} (unit '{self.unit_name}') was changed in place while its unit was "
                 "sharded (at stage 3 a param holds no values between its unit's forward and backward, so "
-                "p.clamp_(), an nn.init call or copy_ into it would do nothing). Changing weights between "
-                "steps is not offered at stage 3 yet; do it before zerokern.shard(), or use stage 2")
+                "p.clamp_(), an nn.init call or copy_ into it would do nothing). To set new weights between "
+                "steps, load them: model.load_state_dict(sd) takes whole tensors into the shards")
 
     def check_moved(self, i: int) -> None:
         """A clear error for a param moved to another device or dtype after it was sharded."""
@@ -287,8 +300,8 @@ class FlatParams:
             raise RuntimeError(
                 f"zerokern: {self.names[i]} (unit '{self.unit_name}'): its data was replaced (p.data = ..., model.to() that copies, "
                 "to_empty()), but at stage 3 a param holds data only inside its unit's forward and backward "
-                "and the optimizer keeps this rank's slice; replacing it is not offered at stage 3. Load "
-                "weights before building the optimizer, or use stage 2")
+                "and the optimizer keeps this rank's slice; replacing it is not offered at stage 3. Load new "
+                "weights with model.load_state_dict(sd) instead (whole tensors go into the shards)")
         view = self.param_bufs.view(i, p.shape)
         with torch.no_grad():
             if not torch.equal(view, p.data):
@@ -373,6 +386,16 @@ class ShardUnit:
     def sync_from_model(self) -> None:
         """Before step(): what the model did to params and grads since backward.
         - a param whose data left its bucket view is adopted ([Note: ownership]);
+        - a param written in place (its version counter moved) has its fp32 master re-read where
+          the new weights are not the master's rounding.
+
+        [Note: in-place weights] fp16/bf16 params (and offloaded ones) are trained through a
+        separate fp32 master, and step() writes the params from it. A write into a param between
+        steps (model.load_state_dict, nn.init, clamp_ under no_grad) would be overwritten by
+        the next step, silently, unless the master follows: the param's version counter says it
+        was written (the optimizer's own writes go through the flat buffers, not the param), and
+        ShardStore.refresh_params re-reads the master there. A write through p.data has a
+        version counter of its own and is not seen.
         - a grad assigned by hand (no backward, so no hook) moves into its bucket;
         - a grad set to None (torch's way to skip a param this step) no longer counts.
         A .grad that is still the view bound last is passed on identity and a pointer."""
@@ -381,6 +404,9 @@ class ShardUnit:
                 f.check_untouched(i)  # stage 3 only: elsewhere nothing is recorded
                 if p.data_ptr() != ptr:
                     f.adopt(i)
+                if p._version != f.versions[i]:  # [Note: in-place weights]
+                    f.versions[i] = p._version
+                    f.changed.add(i)
                 f.sync_grad(i)
 
     def rebind_zeroed_grads(self) -> None:
@@ -404,8 +430,8 @@ class ShardUnit:
         name = where[0].names[where[1]] if where else attr
         if where and where[0].shards_params:
             raise RuntimeError(f"zerokern: {name} was replaced by another tensor (load_state_dict(assign=True)?), "
-                               "but at stage 3 the optimizer keeps this rank's slice of it and loading new values "
-                               "is not offered at stage 3 yet; load the weights before zerokern.shard()")
+                               "but at stage 3 the optimizer keeps this rank's slice of it; load new values with "
+                               "model.load_state_dict(sd) without assign=True")
         if not isinstance(q, torch.Tensor) or q.shape != p.shape:
             raise RuntimeError(f"zerokern: {name} was replaced by {type(q).__name__} "
                                f"{list(q.shape) if isinstance(q, torch.Tensor) else ''}; a sharded param can "

@@ -1,0 +1,171 @@
+"""The state dicts of a stage-3 model: model.state_dict(), model.load_state_dict() and
+zerokern.full_state_dict(model).
+
+[Note: stage-3 model state dicts] At stage 3 each rank holds a flat slice [s, e) of every
+param's flattened values (its piece of the param's bucket), which may begin and end mid-row.
+model.state_dict() gives each such param as one tensor marked with torch.distributed.checkpoint's
+CheckpointableTensor attributes: its global shape is the param's own, and this rank's slice is
+described as the few boxes (N-d chunks) that tile [s, e) in that shape (flat_boxes). So dcp.save
+writes a checkpoint whose tensors have the model's own shapes, which dcp.load reads into a model
+sharded any other way, at another world size, or not sharded at all.
+
+The marked tensor is a copy (boxes of a flat slice are not one strided view of it): after
+dcp.load fills it, model.load_state_dict(sd) (or torch's set_model_state_dict) moves the values
+into the shards, as FSDP's docs load. A state dict that was written into but never loaded would
+be a silent no-op, so UnitParams remembers the marked tensors it handed out and their version
+counters, and the unit's next gather raises if one changed without being loaded.
+
+Its shape is never the param's: the box tensor's last dimension has one padding element (a 1-d
+param's box spans the whole param, plus one). A tool that ignores the marks and takes each rank's
+tensor for the whole one (torch's get_model_state_dict(full_state_dict=True), which gathers only
+DTensors) gets tensors that no model loads: a size mismatch, not weights with holes in them.
+zerokern.full_state_dict(model) is the consolidated dict.
+
+model.load_state_dict takes, per param, a marked tensor holding exactly this rank's slice, or a
+whole tensor of the param's shape (a consolidated dict, torch.load(..., mmap=True) of one: each
+rank copies only its slice). Frozen params and buffers are whole on every rank and load as usual.
+"""
+
+import math
+import weakref
+from typing import List, Optional, Tuple
+
+import torch
+
+from .checkpoint import HAS_PROTOCOL, _NeedsProtocol
+
+Box = Tuple[Tuple[int, ...], Tuple[int, ...]]  # (offsets, sizes)
+
+
+def flat_boxes(start: int, end: int, shape) -> List[Box]:
+    """The boxes, in flat order, that tile the row-major elements [start, end) of `shape`."""
+    shape = tuple(shape)
+    if end <= start:
+        return []
+    if not shape:
+        return [((), ())]
+    inner = math.prod(shape[1:])
+    (r0, c0), (r1, c1) = divmod(start, inner), divmod(end, inner)
+    if r0 == r1:  # within one row: the boxes of the row, one deep
+        return [((r0,) + o, (1,) + z) for o, z in flat_boxes(c0, c1, shape[1:])]
+    out = []
+    if c0:
+        out += [((r0,) + o, (1,) + z) for o, z in flat_boxes(c0, inner, shape[1:])]
+        r0 += 1
+    if r1 > r0:
+        out.append(((r0,) + (0,) * (len(shape) - 1), (r1 - r0,) + shape[1:]))
+    if c1:
+        out += [((r1,) + o, (1,) + z) for o, z in flat_boxes(0, c1, shape[1:])]
+    return out
+
+
+def _row_span(start: int, end: int, shape) -> Tuple[int, int]:
+    """The rows [first, last) of dim 0 the box tensor spans (a 1-d param: all of it)."""
+    if len(shape) <= 1:
+        return 0, (shape[0] if shape else 0)
+    inner = math.prod(shape[1:])
+    return start // inner, -(-end // inner)
+
+
+def to_boxes(values: torch.Tensor, start: int, shape) -> torch.Tensor:
+    """A marked box tensor holding `values`, the flattened elements [start, start + n) of a
+    tensor of `shape`."""
+    shape, n = tuple(shape), values.numel()
+    end = start + n
+    if not shape:  # a 0-d param: the rank that holds it gives it whole; the others a (1,) stand-in
+        out = values.reshape(()).clone() if n else values.new_zeros(1)
+        _mark(out, shape, [((), ())] if n else [], ())
+        return out
+    first, last = _row_span(start, end, shape)
+    rows = (last - first,) + shape[1:]
+    padded = rows[:-1] + (rows[-1] + 1,)
+    out = values.new_zeros(padded)
+    inner = math.prod(shape[1:])
+    flat = values.new_zeros(math.prod(rows))
+    flat[start - first * inner:end - first * inner] = values.reshape(-1)
+    out[..., :shape[-1]] = flat.view(rows)
+    _mark(out, shape, flat_boxes(start, end, shape), (first,) + (0,) * (len(shape) - 1))
+    return out
+
+
+def _mark(t, shape, boxes, origin) -> None:
+    t.global_shape = shape
+    t.global_offsets = tuple(o for o, _ in boxes)
+    t.local_sizes = tuple(z for _, z in boxes)
+    t.local_offsets = tuple(tuple(a - b for a, b in zip(o, origin)) for o, _ in boxes)
+    if not HAS_PROTOCOL:
+        t.__create_write_items__ = _NeedsProtocol()
+
+
+def is_marked(t) -> bool:
+    return getattr(t, "global_offsets", None) is not None and getattr(t, "local_sizes", None) is not None
+
+
+def from_boxes(t: torch.Tensor) -> torch.Tensor:
+    """The flat elements a marked box tensor holds, in order."""
+    parts = [t[tuple(slice(o, o + z) for o, z in zip(lo, size))].reshape(-1)
+             for lo, size in zip(t.local_offsets, t.local_sizes)]
+    return torch.cat(parts) if parts else t.new_zeros(0)
+
+
+class HandedOut:
+    """The marked tensors model.state_dict() gave for one unit, with their versions, so that a
+    dcp.load into them that model.load_state_dict() never took is an error, not a no-op."""
+
+    def __init__(self):
+        self._given: List[Tuple[weakref.ref, int, str]] = []
+        self._prune_at = 16  # dropped dicts' entries are pruned when the list doubles: O(1) per add
+
+    def add(self, t: torch.Tensor, name: str) -> None:
+        if len(self._given) >= self._prune_at:
+            self._given = [g for g in self._given if g[0]() is not None]
+            self._prune_at = 2 * len(self._given) + 16
+        self._given.append((weakref.ref(t), t._version, name))
+
+    def taken(self, t: torch.Tensor) -> None:
+        """load_state_dict read `t`: what it holds now is in the shards."""
+        self._given = [(r, t._version if r() is t else v, n) for r, v, n in self._given if r() is not None]
+
+    def check(self, unit_name: str) -> None:
+        for r, v, name in self._given:
+            t = r()
+            if t is not None and t._version != v:
+                raise RuntimeError(
+                    f"zerokern: the state_dict() entry '{name}' of a stage-3 model (unit '{unit_name}') was "
+                    "written into (dcp.load?) but never loaded into the model: at stage 3 state_dict() gives "
+                    "copies of each rank's slices. Call model.load_state_dict(sd) (or torch's "
+                    "set_model_state_dict) after dcp.load, as FSDP's checkpoint recipes do")
+
+
+def load_param(flat, i: int, value, name: str) -> Optional[str]:
+    """Copy this rank's slice of `value` into params[i]'s shard. Returns an error text (naming
+    the param and the fix) instead of raising, as torch's load_state_dict collects them."""
+    shape = tuple(flat.shapes[i])
+    start, n, b, off = flat.my_slice(i)
+    if not isinstance(value, torch.Tensor):
+        return f"zerokern: '{name}' is a {type(value).__name__}, not a tensor"
+    if is_marked(value):
+        if tuple(value.global_shape) != shape:
+            return (f"zerokern: '{name}' in the state dict is a slice of a tensor of shape "
+                    f"{list(value.global_shape)}, but the param has shape {list(shape)}")
+        want = flat_boxes(start, start + n, shape)
+        have = list(zip(map(tuple, value.global_offsets), map(tuple, value.local_sizes)))
+        if have != want:
+            return (f"zerokern: '{name}' in the state dict holds another part of the param than this rank's "
+                    f"(elements [{start}, {start + n}) of {math.prod(shape)}): a state_dict() from another "
+                    "rank, world size or bucket layout. Re-shard with torch.distributed.checkpoint (dcp.save of "
+                    "model.state_dict(), dcp.load into this model's), or load zerokern.full_state_dict(model)")
+        part = from_boxes(value)
+    elif tuple(value.shape) == shape:
+        part = value.reshape(-1)[start:start + n]
+    else:
+        return (f"zerokern: size mismatch for '{name}': the state dict has shape {list(value.shape)}, the param "
+                f"{list(shape)} (a torch get_model_state_dict(full_state_dict=True) of a stage-3 model gives "
+                "padded per-rank pieces; use zerokern.full_state_dict(model) for a whole one)")
+    if n:
+        with torch.no_grad():
+            dst = flat.param_shards[b][off:off + n]
+            if not torch.equal(dst, part.to(dst.device, dst.dtype)):
+                flat.changed.add(i)  # new values: a separate fp32 master re-reads them at the next step
+            dst.copy_(part)
+    return None

@@ -25,6 +25,7 @@ def main():
     ap.add_argument("--resume", default=None, help="DCP checkpoint directory to start from (step 5)")
     ap.add_argument("--ckpt", choices=["dcp", "accelerate"], default="dcp",
                     help="torch.distributed.checkpoint, or accelerator.save_state/load_state")
+    ap.add_argument("--zero-stage", type=int, default=2, help="3: each Linear, then the root, sharded first")
     args = ap.parse_args()
     # The reference run (no zerokern optimizer) needs this too: without it a gloo worker thread can
     # abort the process at interpreter exit after the last collective (seen once in CI on the DDP +
@@ -47,7 +48,13 @@ def main():
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=GLOBAL_BATCH // world)
     if args.optimizer == "zero":
         from zerokern import FusedZeroAdam
-        opt = FusedZeroAdam(model.parameters(), lr=5e-2, weight_decay=0.01, zero_stage=2, bucket_cap_mb=0.002)
+        if args.zero_stage == 3 and world > 1:
+            import zerokern
+            for m in (model[0], model[2], model):
+                zerokern.shard(m, stage=3, bucket_cap_mb=0.002)
+            opt = FusedZeroAdam(model.parameters(), lr=5e-2, weight_decay=0.01)
+        else:
+            opt = FusedZeroAdam(model.parameters(), lr=5e-2, weight_decay=0.01, zero_stage=2, bucket_cap_mb=0.002)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=5e-2, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
@@ -109,11 +116,17 @@ def main():
         if accelerator.is_main_process:
             from safetensors.torch import load_file
             saved = load_file(os.path.join(args.out + ".model", "model.safetensors"))
+    if args.zero_stage == 3 and world > 1:  # each rank holds slices: the whole weights (a collective)
+        import zerokern
+        whole = zerokern.full_state_dict(accelerator.unwrap_model(model))
+        params = {n: whole[n] for n, _ in accelerator.unwrap_model(model).named_parameters()} if whole else {}
+    else:
+        params = {n: p.detach().clone() for n, p in accelerator.unwrap_model(model).named_parameters()}
     if accelerator.is_main_process:
         torch.save({"saved_model": saved, "probes": probes, "losses": losses, "world": world, "reductions": reductions[0],
                     "buckets": len(inner.schedule.buckets) if args.optimizer == "zero" else None,
                     "wrapped": type(model).__name__,
-                    "params": {n: p.detach().clone() for n, p in accelerator.unwrap_model(model).named_parameters()}},
+                    "params": params},
                    args.out)
     accelerator.end_training()
 

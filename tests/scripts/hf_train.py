@@ -71,9 +71,19 @@ def main():
         trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=[counter])
     else:
         from zerokern.integrations.hf import ZeroTrainer
+        if args.zero_stage == 3 and world > 1:  # the units first (FSDP2's shape): each block, then the root
+            import zerokern
+            for block in model.transformer.h:
+                zerokern.shard(block, stage=3, bucket_cap_mb=0.01)
+            zerokern.shard(model, stage=3, bucket_cap_mb=0.01)
         trainer = ZeroTrainer(model=model, args=targs, train_dataset=data, callbacks=[counter],
                               zero_kwargs={"zero_stage": args.zero_stage, "bucket_cap_mb": 0.01})
     trainer.train(resume_from_checkpoint=args.resume)
+    if args.zero_stage == 3 and world > 1:  # each rank holds slices: the whole weights (a collective)
+        import zerokern
+        params = {k: v for k, v in zerokern.full_state_dict(model).items() if k in dict(model.named_parameters())}
+    else:
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
     losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
     norms = {h["step"]: h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h}
     if trainer.args.process_index == 0:
@@ -81,7 +91,7 @@ def main():
                     "buckets": counter.buckets,
                     "optimizer": type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__,
                     "wrapped": type(trainer.model_wrapped).__name__,
-                    "params": {n: p.detach().clone() for n, p in model.named_parameters()}}, args.out)
+                    "params": params}, args.out)
 
 
 if __name__ == "__main__":

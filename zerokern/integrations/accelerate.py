@@ -28,7 +28,8 @@ are broadcast, as DDP does), no_sync enters opt.no_sync(), clip_grad_norm_ is
 opt.clip_grad_norm_ (the global norm over all shards, applied in the fused
 update; returned unscaled, as Accelerate's), prepare_optimizer skips the state
 dict round trip of device placement and reports a step the GradScaler skipped.
-Checkpoints: get_state_dict returns copies of such a model's weights (they are
+Checkpoints: get_state_dict returns copies of such a model's weights (at stage 3
+the whole weights, gathered: call it on every rank, as with FSDP; they are
 views of flat buckets, and Accelerate's safetensors save keeps one tensor per
 shared storage, dropping the rest); save_state writes the weights in torch's
 format (safetensors' load_model refuses to load into views of a larger buffer);
@@ -50,6 +51,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ..optim.fused_zero_adam import owner_of
+from ..zero.api import full_state_dict
 from ..zero.checkpoint import FORMAT
 
 
@@ -123,9 +125,14 @@ def attach(accelerator):
         return norm
 
     def zero_get_state_dict(model, unwrap=True):
-        sd = get_state_dict(model, unwrap=unwrap)
         inner = accelerator.unwrap_model(model)
-        if owner_of(_trainable(inner.parameters())) is None or not accelerator.is_main_process:
+        opt = owner_of(_trainable(inner.parameters()))
+        if opt is not None and opt.stage3 is not None:
+            # Stage 3: each rank holds slices; the whole weights are gathered (a collective on every
+            # rank, as Accelerate's FSDP and DeepSpeed ZeRO-3 paths) onto the main process, {} elsewhere.
+            return full_state_dict(inner)
+        sd = get_state_dict(model, unwrap=unwrap)
+        if opt is None or not accelerator.is_main_process:
             return sd  # only the main process writes it
         return collections.OrderedDict((k, v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v)
                                        for k, v in sd.items())

@@ -16,12 +16,16 @@ same places where Trainer special-cases DeepSpeed and FSDP:
 - its Accelerator is attach()ed (zerokern/integrations/accelerate.py): no DDP
   wrap, gradient accumulation enters opt.no_sync(), max_grad_norm clips with
   opt.clip_grad_norm_ (the global norm);
+- at stage 3 (the model sharded with zerokern.shard(..., stage=3) before the
+  Trainer is built), save_model gathers the whole weights on every rank (a
+  collective, as with FSDP: call trainer.save_model() on every rank) and rank 0
+  writes them;
 - checkpoints hold the optimizer as a torch.distributed.checkpoint directory,
   "optimizer_zerokern", written by every rank (Trainer writes optimizer.pt from
   rank 0 only, which would hold rank 0's shard), so resume_from_checkpoint
   works at any world size.
-Trainer's own _save_optimizer_and_scheduler and
-_load_optimizer_and_scheduler are private; tests/test_hf_trainer.py pins
+Trainer's own _save_optimizer_and_scheduler, _load_optimizer_and_scheduler
+and _save (which save_model calls with the gathered weights) are private; tests/test_hf_trainer.py pins
 them to the transformers version installed.
 """
 
@@ -66,6 +70,17 @@ class ZeroTrainer(Trainer):
     def _zero_optimizer(self):
         opt = getattr(self.optimizer, "optimizer", self.optimizer)  # inside Accelerate's wrapper
         return opt if isinstance(opt, FusedZeroAdam) else None
+
+    def save_model(self, output_dir=None, _internal_call=False):
+        opt = self._zero_optimizer()
+        if opt is None or opt.stage3 is None:
+            return super().save_model(output_dir, _internal_call)
+        # Stage 3: each rank holds slices of the weights. As Trainer's FSDP and DeepSpeed branches:
+        # every rank gathers (the attached accelerator's get_state_dict, a collective), rank 0 writes.
+        self._save(output_dir if output_dir is not None else self.args.output_dir,
+                   state_dict=self.accelerator.get_state_dict(self.model))
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _save_optimizer_and_scheduler(self, output_dir):
         opt = self._zero_optimizer()

@@ -14,6 +14,17 @@ from param_gather_workers import T, V
 from stage3_workers import CkptGPT, _loss
 
 GLOBAL = 12  # rows per step, split among 1, 2 or 4 ranks
+
+
+class ScaledGPT(CkptGPT):
+    """CkptGPT with a 0-d param too (a logit scale, as CLIP's)."""
+
+    def __init__(self, layers):
+        super().__init__(layers)
+        self.logit_scale = torch.nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, idx):
+        return super().forward(idx) * self.logit_scale
 BEFORE, AFTER = 3, 3  # steps before the checkpoint and after it
 LAYERS = 2
 
@@ -24,10 +35,10 @@ def data(step):
 
 
 def build(world, dtype, seed=0):
-    """A stage-3 GPT (tied embedding/head, blocks as units; buckets so small that params are
-    split across ranks mid-row), or at world 1 the same model unsharded with FusedZeroAdam."""
+    """A stage-3 GPT (tied embedding/head, a 0-d param, blocks as units; buckets so small that
+    params are split across ranks mid-row), or at world 1 the same model unsharded with FusedZeroAdam."""
     torch.manual_seed(seed)
-    model = CkptGPT(LAYERS).to(dtype)
+    model = ScaledGPT(LAYERS).to(dtype)
     if world > 1:
         for b in model.blocks:
             zerokern.shard(b, stage=3, bucket_cap_mb=0.001)
@@ -46,7 +57,7 @@ def train(model, opt, rank, world, first, last):
 def reference(dtype=torch.float32):
     """torch.optim.AdamW on one process over the whole batch, for BEFORE + AFTER steps."""
     torch.manual_seed(0)
-    model = CkptGPT(LAYERS).to(dtype)
+    model = ScaledGPT(LAYERS).to(dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
     for step in range(BEFORE + AFTER):
         opt.zero_grad()
@@ -112,7 +123,7 @@ def resume_unsharded_torch(path):
     """One process, no zerokern: the consolidated file loads into the plain model and
     torch.optim.AdamW, which train on."""
     torch.manual_seed(5)
-    model = CkptGPT(LAYERS)
+    model = ScaledGPT(LAYERS)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
     full = torch.load(path + "/full.pt", weights_only=True)
     model.load_state_dict(full["model"])
@@ -128,7 +139,7 @@ def dcp_into_plain_model(path):
     """One process, no zerokern: the DCP checkpoint's model part loads into a plain model (the
     tensors have the model's own shapes)."""
     torch.manual_seed(5)
-    model = CkptGPT(LAYERS)
+    model = ScaledGPT(LAYERS)
     sd = {"model": model.state_dict()}
     dcp.load(sd, checkpoint_id=path + "/dcp", no_dist=True)
     model.load_state_dict(sd["model"])
@@ -155,6 +166,7 @@ def mistakes(rank, world, path):
     dcp.save(sd, checkpoint_id=path)
     dcp.load(sd, checkpoint_id=path)
     attempt("dcp load never loaded", lambda: _loss(model, data(1)[:2]))
+    attempt("consolidating it", lambda: zerokern.full_state_dict(model))  # would give the old weights
     model.load_state_dict(sd["model"])  # the fix
     attempt("after loading it", lambda: _loss(model, data(1)[:2]))
     # another rank's slice (a per-rank torch.save loaded on the wrong rank)
@@ -167,7 +179,7 @@ def mistakes(rank, world, path):
     # torch's full gather knows only DTensors: what it gives never loads as weights
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     torch.manual_seed(0)
-    plain = CkptGPT(LAYERS)
+    plain = ScaledGPT(LAYERS)
     attempt("torch full into plain", lambda: plain.load_state_dict(full))
     # (a fresh dict: load_state_dict(assign=True) left its flag in the metadata of `mine`)
     out["missing"] = list(model.load_state_dict(model.state_dict(), strict=False).missing_keys)

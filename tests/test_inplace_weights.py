@@ -9,7 +9,7 @@ import dist_harness
 import inplace_workers as W
 
 
-@pytest.mark.parametrize("how", ["load_state_dict", "init", "clamp"])
+@pytest.mark.parametrize("how", ["load_state_dict", "init", "clamp", "one_row"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_one_process(dtype, how):
     r = W.write_between_steps(0, 1, dtype, 0, how)

@@ -71,6 +71,7 @@ def test_mistakes_are_errors_naming_the_param_and_the_fix(tmp_path):
     for rank, r in enumerate(dist_harness.values(dist_harness.run(W.mistakes, 2, str(tmp_path), timeout=240))):
         assert r["dcp load never loaded"] and "never loaded into the model" in r["dcp load never loaded"] \
             and "model.load_state_dict(sd)" in r["dcp load never loaded"], (rank, r)
+        assert r["consolidating it"] and "never loaded into the model" in r["consolidating it"], (rank, r)
         assert r["after loading it"] is None, (rank, r["after loading it"])
         assert r["other rank's slice"] and "'blocks.0.fc1.weight'" in r["other rank's slice"] \
             and "another part of the param than this rank's" in r["other rank's slice"], (rank, r)
@@ -83,7 +84,9 @@ def test_mistakes_are_errors_naming_the_param_and_the_fix(tmp_path):
 @pytest.mark.parametrize("shape", [(), (7,), (4, 8), (3, 4, 5), (2, 3, 1, 4)])
 def test_flat_slices_as_boxes(shape):
     """Every flat slice of every shape: the boxes tile it exactly once, the marked tensor passes
-    DCP's own checks, gives the values back, and never has the param's shape unless it is whole."""
+    DCP's own checks, gives the values back, never has the param's shape unless it is whole, and is
+    about the slice's size (its bounding box: at most a row of the trailing dims more at each end,
+    plus the padding of the last dimension)."""
     n = math.prod(shape)
     values = torch.arange(n, dtype=torch.float32)
     for start in range(n + 1):
@@ -97,3 +100,6 @@ def test_flat_slices_as_boxes(shape):
             _validate_checkpointable_tensor_metadata(t)
             assert torch.equal(model_state.from_boxes(t), values[start:end]), (start, end)
             assert tuple(t.shape) != shape or (shape == () and end > start), (start, end, t.shape)
+            if shape:
+                padding = 2 * t.numel() // t.shape[-1]
+                assert t.numel() <= (end - start) + 2 * math.prod(shape[1:]) + padding, (start, end, t.shape)

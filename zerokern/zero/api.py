@@ -178,21 +178,22 @@ def full_state_dict(model: torch.nn.Module, *, rank0_only: bool = True, device="
     tensors are copies.
     torch.save it, and load it with model.load_state_dict into any model, sharded or not."""
     sd = model.state_dict()
-    comm, whole = None, {}  # id(param) -> its full values
+    comm, whole = None, {}  # id(param) -> its full values (on the ranks that keep them)
     for n, p in model.named_parameters(remove_duplicate=False):
         unit = unit_of(p)
         where = unit.locate(p) if unit is not None else None
         if where is None or not where[0].shards_params or id(p) in whole:
             continue
         comm = unit.comm
+        keep = not rank0_only or comm.rank == 0
         f = where[0]
         for b, bucket in enumerate(f.layout.buckets):  # the whole FlatParams at once: the same order everywhere
             full = f.param_shards[b].new_empty(bucket.padded_numel)
             comm.wait(comm.all_gather(full, f.param_shards[b], name="gather_state"))
             for i in bucket.tensors:
                 slot = f.layout.slots[i]
-                whole[id(f.params[i])] = full[slot.offset:slot.offset + slot.numel].view(f.shapes[i]).to(device,
-                                                                                                        copy=True)
+                value = full[slot.offset:slot.offset + slot.numel].view(f.shapes[i])
+                whole[id(f.params[i])] = value.to(device, copy=True) if keep else None
     if rank0_only and comm is not None and comm.rank != 0:
         return {}
     params = dict(model.named_parameters(remove_duplicate=False))

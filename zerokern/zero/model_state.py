@@ -15,11 +15,12 @@ into the shards, as FSDP's docs load. A state dict that was written into but nev
 be a silent no-op, so UnitParams remembers the marked tensors it handed out and their version
 counters, and the unit's next gather raises if one changed without being loaded.
 
-Its shape is never the param's: the box tensor's last dimension has one padding element (a 1-d
-param's box spans the whole param, plus one). A tool that ignores the marks and takes each rank's
-tensor for the whole one (torch's get_model_state_dict(full_state_dict=True), which gathers only
-DTensors) gets tensors that no model loads: a size mismatch, not weights with holes in them.
-zerokern.full_state_dict(model) is the consolidated dict.
+The marked tensor is the boxes' bounding box (about the size of the slice), and its shape is
+never the param's: its last dimension has a padding element (two where one would make it the
+param's shape). A tool that ignores the marks and takes each rank's tensor for the whole one
+(torch's get_model_state_dict(full_state_dict=True), which gathers only DTensors; v.clone(),
+which drops the marks) gets tensors that no model loads: a size mismatch, not weights with holes
+in them. zerokern.full_state_dict(model) is the consolidated dict.
 
 model.load_state_dict takes, per param, a marked tensor holding exactly this rank's slice, or a
 whole tensor of the param's shape (a consolidated dict, torch.load(..., mmap=True) of one: each
@@ -59,32 +60,29 @@ def flat_boxes(start: int, end: int, shape) -> List[Box]:
     return out
 
 
-def _row_span(start: int, end: int, shape) -> Tuple[int, int]:
-    """The rows [first, last) of dim 0 the box tensor spans (a 1-d param: all of it)."""
-    if len(shape) <= 1:
-        return 0, (shape[0] if shape else 0)
-    inner = math.prod(shape[1:])
-    return start // inner, -(-end // inner)
-
-
 def to_boxes(values: torch.Tensor, start: int, shape) -> torch.Tensor:
     """A marked box tensor holding `values`, the flattened elements [start, start + n) of a
-    tensor of `shape`."""
+    tensor of `shape`: the boxes' bounding box (about the slice's size: at most a partial row
+    more at each end), with one padding element on the last dimension."""
     shape, n = tuple(shape), values.numel()
-    end = start + n
     if not shape:  # a 0-d param: the rank that holds it gives it whole; the others a (1,) stand-in
         out = values.reshape(()).clone() if n else values.new_zeros(1)
         _mark(out, shape, [((), ())] if n else [], ())
         return out
-    first, last = _row_span(start, end, shape)
-    rows = (last - first,) + shape[1:]
-    padded = rows[:-1] + (rows[-1] + 1,)
-    out = values.new_zeros(padded)
-    inner = math.prod(shape[1:])
-    flat = values.new_zeros(math.prod(rows))
-    flat[start - first * inner:end - first * inner] = values.reshape(-1)
-    out[..., :shape[-1]] = flat.view(rows)
-    _mark(out, shape, flat_boxes(start, end, shape), (first,) + (0,) * (len(shape) - 1))
+    boxes = flat_boxes(start, start + n, shape)
+    lo = tuple(min(o[d] for o, _ in boxes) for d in range(len(shape))) if boxes else (0,) * len(shape)
+    hi = tuple(max(o[d] + z[d] for o, z in boxes) for d in range(len(shape))) if boxes else lo
+    local = [h - low for h, low in zip(hi, lo)]
+    local[-1] += 1  # never the param's own shape ([Note: stage-3 model state dicts])
+    if tuple(local) == shape:
+        local[-1] += 1
+    out = values.new_zeros(local)
+    flat, pos = values.reshape(-1), 0
+    for o, z in boxes:
+        k = math.prod(z)
+        out[tuple(slice(a - low, a - low + b) for a, low, b in zip(o, lo, z))] = flat[pos:pos + k].view(z)
+        pos += k
+    _mark(out, shape, boxes, lo)
     return out
 
 
@@ -132,9 +130,11 @@ class HandedOut:
             if t is not None and t._version != v:
                 raise RuntimeError(
                     f"zerokern: the state_dict() entry '{name}' of a stage-3 model (unit '{unit_name}') was "
-                    "written into (dcp.load?) but never loaded into the model: at stage 3 state_dict() gives "
-                    "copies of each rank's slices. Call model.load_state_dict(sd) (or torch's "
-                    "set_model_state_dict) after dcp.load, as FSDP's checkpoint recipes do")
+                    "written into but never loaded into the model: at stage 3 state_dict() gives copies of "
+                    "each rank's slices, so the model still holds its old weights. After dcp.load, call "
+                    "model.load_state_dict(sd) (or torch's set_model_state_dict), as FSDP's checkpoint "
+                    "recipes do. If the dict is yours to change (an EMA, an export), change a copy: "
+                    "{k: v.clone() for k, v in sd.items()} (or copy.deepcopy, which keeps the DCP marks)")
 
 
 def load_param(flat, i: int, value, name: str) -> Optional[str]:
@@ -160,8 +160,10 @@ def load_param(flat, i: int, value, name: str) -> Optional[str]:
         part = value.reshape(-1)[start:start + n]
     else:
         return (f"zerokern: size mismatch for '{name}': the state dict has shape {list(value.shape)}, the param "
-                f"{list(shape)} (a torch get_model_state_dict(full_state_dict=True) of a stage-3 model gives "
-                "padded per-rank pieces; use zerokern.full_state_dict(model) for a whole one)")
+                f"{list(shape)}. A stage-3 state_dict() entry is one rank's slice in a padded box; a copy that "
+                "lost its DCP marks (v.clone(), torch's get_model_state_dict(full_state_dict=True)) cannot be "
+                "placed. Load whole tensors (zerokern.full_state_dict(model)) or the entries themselves "
+                "(copy.deepcopy keeps the marks)")
     if n:
         with torch.no_grad():
             dst = flat.param_shards[b][off:off + n]

@@ -57,6 +57,7 @@ def _hook_state_dicts(module, up) -> None:
     popped = []  # keys the load pre-hook took; its post-hook takes them off missing_keys
 
     def save(mod, state_dict, prefix, local_metadata):
+        up.handed.check(up.name)  # a dict from before, written into and never loaded: these would be stale too
         for a in attrs:
             key = prefix + a
             where = up.unit.locate(mod._parameters.get(a))

@@ -71,9 +71,10 @@ class ShardStore:
                 and all(torch.equal(v, g.to(v.device)) for v, g in zip(views, given)))
 
     def refresh_params(self, indices) -> None:
-        """A separate master re-reads the slices of these params (given new values). Not a
-        slice the model holds as the master's rounding: that is the same weight (a checkpoint's
-        model and optimizer state, loaded in either order), and its fp32 master stays."""
+        """A separate master re-reads the slices of these params (given new values). Not an
+        element the model holds as the master's rounding: that is the same weight (a checkpoint's
+        model and optimizer state, loaded in either order; the rows a partial load left alone),
+        and its fp32 master stays."""
         if not self.separate_master:
             return
         f = self.flat
@@ -81,9 +82,11 @@ class ShardStore:
             if pc.index in indices:
                 sl = slice(pc.shard_offset, pc.shard_offset + pc.numel)
                 shard, master = self._param_shard[sl], self.master[sl]
-                if self.master_valid and torch.equal(master.to(shard.device, shard.dtype), shard):
+                if not self.master_valid or not self.low_precision:
+                    master.copy_(shard)
                     continue
-                master.copy_(shard)
+                new = shard.to(master.device)  # element by element: a row re-initialised leaves the rest
+                master.copy_(torch.where(master.to(new.dtype) == new, master, new.to(master.dtype)))
 
     def operands(self):
         """(master, grad, exp_avg, exp_avg_sq, model) for the fused kernel over this shard."""

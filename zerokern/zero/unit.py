@@ -158,7 +158,7 @@ class FlatParams:
         p = self.params[i]
         if grad is not None and p.shape != grad.shape:
             held = p.data
-            p.data = held.new_zeros(1).expand(self.shapes[i])
+            p.data = held.new_zeros(()).expand(self.shapes[i])  # 0-d: expands to any shape, () too
             p.grad = grad
             p.data = held
         else:

@@ -419,3 +419,17 @@ def mismatched_shard(rank, world):
     except ValueError as e:
         out["shapes"] = str(e)
     return out
+
+
+def skipped_shard(rank, world):
+    """Rank 1 skips the shard() of a block that rank 0 makes: their agreements pair up unlike
+    calls, and every rank raises, saying what each was doing (no hang, no unpacking error)."""
+    torch.manual_seed(0)
+    seq = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    try:
+        if rank == 0:
+            zerokern.shard(seq[0], stage=3)
+        zerokern.shard(seq, stage=3)
+    except RuntimeError as e:
+        return str(e)
+    return None

@@ -195,3 +195,9 @@ def test_ranks_that_shard_differently_all_raise():
         for what in ("options", "shapes"):
             assert r[what] and "the ranks shard different params or options" in r[what], r[what]
             assert "rank 0:" in r[what] and "rank 1:" in r[what]
+
+
+def test_a_rank_that_skips_a_shard_call_raises_on_every_rank():
+    for r in dist_harness.values(dist_harness.run(W.skipped_shard, 2, timeout=120)):
+        assert r and "the ranks are at different calls" in r, r
+        assert "rank 0 in zerokern.shard(Linear, stage=3)" in r and "rank 1 in zerokern.shard(Sequential, stage=3)" in r, r

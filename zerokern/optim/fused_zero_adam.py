@@ -297,7 +297,7 @@ class FusedZeroAdam(torch.optim.Optimizer):
                      [len(g["params"]) for g in self.param_groups]))
         mine = (hashlib.sha256(desc.encode()).hexdigest()[:16], len(params), sum(p.numel() for p in params),
                 repr(config), repr(self.options))
-        everyone = self.comm.differing(mine)
+        everyone = self.comm.differing(mine, "FusedZeroAdam(...)")
         if everyone is not None:
             lines = [f"rank {r}: {n} params, {numel} elements, shapes/dtypes/order/groups #{h}, {cfg}, {opts}"
                      for r, (h, n, numel, cfg, opts) in enumerate(everyone)]

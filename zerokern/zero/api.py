@@ -207,7 +207,7 @@ def _check_same_on_every_rank(comm, module, config, params, names) -> None:
     raises, listing what each rank has (a mismatch would otherwise pair broadcasts of other sizes)."""
     desc = repr((config, [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for p, n in zip(params, names)]))
     mine = (hashlib.sha256(desc.encode()).hexdigest()[:16], len(params), sum(p.numel() for p in params), repr(config))
-    everyone = comm.differing(mine)
+    everyone = comm.differing(mine, f"zerokern.shard({type(module).__name__}, stage=3)")
     if everyone is not None:
         lines = [f"rank {r}: {n} params, {numel} elements, names/shapes/dtypes #{h}, {cfg}"
                  for r, (h, n, numel, cfg) in enumerate(everyone)]

@@ -188,11 +188,22 @@ class Comm:
                 if c.data_ptr() != t.data_ptr():
                     t.data.copy_(c)
 
-    def differing(self, mine):
+    def differing(self, mine, what):
         """Every rank's `mine` (small, picklable) where the ranks' differ, else None. One
-        collective, on every rank, so every rank can raise alike."""
-        everyone = self.gather_objects(mine)
-        return everyone if any(other != everyone[0] for other in everyone) else None
+        collective, on every rank, so every rank can raise alike. `what` names the call (e.g.
+        "zerokern.shard(Block)"): a rank that reached another agreement (it skipped a call the
+        others made) makes every rank raise, saying what each was doing, instead of comparing
+        unlike things."""
+        everyone = self.gather_objects((what, mine))
+        doing = [w for w, _ in everyone]
+        if any(w != doing[0] for w in doing):
+            raise RuntimeError(
+                "zerokern: the ranks are at different calls, so their collectives would not pair: "
+                + "; ".join(f"rank {r} in {w}" for r, w in enumerate(doing))
+                + ". Every rank must make the same zerokern.shard() calls, in the same order, and then build "
+                "FusedZeroAdam")
+        values = [m for _, m in everyone]
+        return values if any(other != values[0] for other in values) else None
 
     def gather_objects(self, obj):
         """Every rank's `obj` (small, picklable), on every rank."""

@@ -433,3 +433,17 @@ def skipped_shard(rank, world):
     except RuntimeError as e:
         return str(e)
     return None
+
+
+def dropped_model_is_freed(rank, world):
+    """A stage-3 model and its optimizer, trained and dropped, are garbage collected (nothing
+    keeps their buckets: the param hooks hold their unit weakly)."""
+    import weakref
+
+    model, opt = _model(3, 2, None, torch.float32, 0.002)
+    _loss(model, _data(0, 1)).backward()
+    opt.step()
+    refs = [weakref.ref(model), weakref.ref(opt), weakref.ref(model.blocks[0].fc1.weight)]
+    del model, opt
+    gc.collect()
+    return [r() is None for r in refs]

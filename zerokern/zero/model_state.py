@@ -29,7 +29,7 @@ rank copies only its slice). Frozen params and buffers are whole on every rank a
 
 import math
 import weakref
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -63,7 +63,7 @@ def flat_boxes(start: int, end: int, shape) -> List[Box]:
 def to_boxes(values: torch.Tensor, start: int, shape) -> torch.Tensor:
     """A marked box tensor holding `values`, the flattened elements [start, start + n) of a
     tensor of `shape`: the boxes' bounding box (about the slice's size: at most a partial row
-    more at each end), with one padding element on the last dimension."""
+    more at each end), with padding on the last dimension (never the param's shape)."""
     shape, n = tuple(shape), values.numel()
     if not shape:  # a 0-d param: the rank that holds it gives it whole; the others a (1,) stand-in
         out = values.reshape(()).clone() if n else values.new_zeros(1)
@@ -111,21 +111,23 @@ class HandedOut:
     dcp.load into them that model.load_state_dict() never took is an error, not a no-op."""
 
     def __init__(self):
-        self._given: List[Tuple[weakref.ref, int, str]] = []
-        self._prune_at = 16  # dropped dicts' entries are pruned when the list doubles: O(1) per add
+        self._given: Dict[int, Tuple[weakref.ref, int, str]] = {}  # id(tensor) -> (ref, version, name)
+        self._prune_at = 16  # dropped dicts' entries are pruned when the table doubles: O(1) per add
 
     def add(self, t: torch.Tensor, name: str) -> None:
         if len(self._given) >= self._prune_at:
-            self._given = [g for g in self._given if g[0]() is not None]
+            self._given = {k: g for k, g in self._given.items() if g[0]() is not None}
             self._prune_at = 2 * len(self._given) + 16
-        self._given.append((weakref.ref(t), t._version, name))
+        self._given[id(t)] = (weakref.ref(t), t._version, name)
 
     def taken(self, t: torch.Tensor) -> None:
         """load_state_dict read `t`: what it holds now is in the shards."""
-        self._given = [(r, t._version if r() is t else v, n) for r, v, n in self._given if r() is not None]
+        g = self._given.get(id(t))
+        if g is not None and g[0]() is t:
+            self._given[id(t)] = (g[0], t._version, g[2])
 
     def check(self, unit_name: str) -> None:
-        for r, v, name in self._given:
+        for r, v, name in self._given.values():
             t = r()
             if t is not None and t._version != v:
                 raise RuntimeError(

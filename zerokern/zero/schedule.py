@@ -18,6 +18,8 @@ version rule of bucket.py ([Note: the local grads are the truth]) decides
 whether their results are still valid when step() comes.
 """
 
+import inspect
+import weakref
 from collections import deque
 from typing import Callable, List, Optional
 
@@ -35,7 +37,12 @@ class ReduceSchedule:
         self.buckets = buckets
         self.comm = comm
         self.overlap = overlap
-        self.after_backward = after_backward  # e.g. sharing an fp16 overflow across ranks
+        # e.g. sharing an fp16 overflow across ranks. A bound method is held weakly: the params'
+        # grad hooks hold the units, the units this schedule, and a strong reference to the
+        # optimizer here would close a cycle through the hooks that the garbage collector does not
+        # see (torch keeps tensor hooks in C++), keeping every dropped optimizer and its buffers.
+        self._after_backward = (weakref.WeakMethod(after_backward) if inspect.ismethod(after_backward)
+                                else (lambda: after_backward))
         self.owner = None  # a weak reference to the optimizer driving this schedule
         self.state = BackwardState.IDLE
         self._next = 0  # buckets before this one were launched in the running backward
@@ -84,8 +91,9 @@ class ReduceSchedule:
             self._in_flight.clear()
             self._next = 0
             self.state = BackwardState.FINISHED
-            if self.after_backward is not None:
-                self.after_backward()
+            after = self._after_backward()
+            if after is not None:
+                after()
 
     def reset(self) -> None:
         """[Note: interrupted backward] A RUNNING backward whose callback never came: wait out

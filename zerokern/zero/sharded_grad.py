@@ -18,6 +18,8 @@ torch users rely on honest:
   raises an error that names the param and the fix, never a silent no-op.
 """
 
+import weakref
+
 import torch
 
 _AMP_CHECK = torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default
@@ -33,7 +35,17 @@ class ShardedGrad(torch.Tensor):
                                                    dtype=param.dtype, device=param.device)
 
     def __init__(self, param, name, bucket, index, shape=None):
-        self.param_name, self.bucket, self.index = name, bucket, index
+        # The bucket weakly: a param's .grad is not seen by the garbage collector, and a strong
+        # reference would keep the bucket, its FlatParams and the param itself alive for good.
+        self.param_name, self._bucket, self.index = name, weakref.ref(bucket), index
+
+    @property
+    def bucket(self):
+        bucket = self._bucket()
+        if bucket is None:
+            raise RuntimeError(f"zerokern: the gradient of {self.param_name} was reduced by a FusedZeroAdam that is "
+                               "gone (the model or optimizer was dropped); set .grad to None")
+        return bucket
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 

@@ -23,6 +23,7 @@ between two of its own (`breaks`): a root unit holding both the embedding
 them in different buckets, and the final norm's bucket can be reduced early.
 """
 
+import weakref
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -342,9 +343,14 @@ class ShardUnit:
         for f in self.flat:
             for i, p in enumerate(f.params):
                 self._where[p] = (f, i)
-        self._hooks = [h for f in self.flat for i, p in enumerate(f.params)
-                       for h in (p.register_hook(self._pre_hook(f, i)),
-                                 p.register_post_accumulate_grad_hook(self._hook(f, i)))]
+        # The hooks find the unit through a weak reference: torch keeps tensor hooks in C++, where
+        # the garbage collector does not look, so a hook holding the unit (which holds the params)
+        # would keep a dropped model's buckets alive for good. The unit lives as long as its module
+        # (module._zerokern_unit) or its optimizer (opt.units) holds it.
+        me = weakref.ref(self)
+        self._hooks = [h for k, f in enumerate(self.flat) for i, p in enumerate(f.params)
+                       for h in (p.register_hook(_pre_hook(me, k, i)),
+                                 p.register_post_accumulate_grad_hook(_hook(me, k, i)))]
 
     @property
     def params(self) -> List[torch.Tensor]:
@@ -357,31 +363,6 @@ class ShardUnit:
     @property
     def buckets(self) -> List[GradBucket]:
         return [b for f in self.flat for b in f.buckets]
-
-    def _pre_hook(self, f: FlatParams, i: int):
-        def pre_hook(grad):
-            f.check_moved(i)  # before autograd fails on a grad of another dtype or device
-            # Runs before autograd adds `grad` into the bucket. A bucket still in flight here was
-            # launched before this grad came (a reentrant checkpoint segment or shared weights
-            # reaching the param twice, or a backward after an interrupted one): wait for it
-            # first, so the add never races the collective ([Note: the local grads are the truth]).
-            bucket = f.bucket_of(i)
-            if bucket.state is BucketState.IN_FLIGHT:
-                bucket.wait()
-            if f.releases:
-                f.prepare_grad(i)
-        return pre_hook
-
-    def _hook(self, f: FlatParams, i: int):
-        def hook(p):
-            bucket = f.bucket_of(i)
-            f.bind_grad(i)
-            bucket.mark_got(i, self.sync)
-            if self.schedule is not None and self.sync:
-                self.schedule.on_grad(bucket)
-            if self.after_grad is not None:
-                self.after_grad(self)
-        return hook
 
     def sync_from_model(self) -> None:
         """Before step(): what the model did to params and grads since backward.
@@ -455,3 +436,38 @@ class ShardUnit:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+def _pre_hook(unit_ref, k: int, i: int):
+    def pre_hook(grad):
+        unit = unit_ref()
+        if unit is None:
+            return None  # the unit was dropped: the param trains on without zerokern
+        f = unit.flat[k]
+        f.check_moved(i)  # before autograd fails on a grad of another dtype or device
+        # Runs before autograd adds `grad` into the bucket. A bucket still in flight here was
+        # launched before this grad came (a reentrant checkpoint segment or shared weights
+        # reaching the param twice, or a backward after an interrupted one): wait for it
+        # first, so the add never races the collective ([Note: the local grads are the truth]).
+        bucket = f.bucket_of(i)
+        if bucket.state is BucketState.IN_FLIGHT:
+            bucket.wait()
+        if f.releases:
+            f.prepare_grad(i)
+    return pre_hook
+
+
+def _hook(unit_ref, k: int, i: int):
+    def hook(p):
+        unit = unit_ref()
+        if unit is None:
+            return
+        f = unit.flat[k]
+        bucket = f.bucket_of(i)
+        f.bind_grad(i)
+        bucket.mark_got(i, unit.sync)
+        if unit.schedule is not None and unit.sync:
+            unit.schedule.on_grad(bucket)
+        if unit.after_grad is not None:
+            unit.after_grad(unit)
+    return hook

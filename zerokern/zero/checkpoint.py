@@ -52,14 +52,20 @@ class _NeedsProtocol:
 torch.serialization.add_safe_globals([_NeedsProtocol])
 
 
-def mark_slice(t, start, n, numel):
-    """Mark `t` (n elements) as the slice [start, start + n) of a flattened tensor of `numel`."""
-    t.global_shape = (numel,)
-    t.global_offsets = ((start,),) if n else ()
-    t.local_offsets = ((0,),) if n else ()
-    t.local_sizes = ((n,),) if n else ()
+def mark_boxes(t, shape, boxes, origin) -> None:
+    """Mark `t` as holding the boxes [(offsets, sizes)] of a tensor of `shape`, each at its
+    offsets minus `origin` in `t` (DCP's CheckpointableTensor attributes)."""
+    t.global_shape = tuple(shape)
+    t.global_offsets = tuple(tuple(o) for o, _ in boxes)
+    t.local_sizes = tuple(tuple(z) for _, z in boxes)
+    t.local_offsets = tuple(tuple(a - b for a, b in zip(o, origin)) for o, _ in boxes)
     if not HAS_PROTOCOL:
         t.__create_write_items__ = _NeedsProtocol()
+
+
+def mark_slice(t, start, n, numel):
+    """Mark `t` (n elements) as the slice [start, start + n) of a flattened tensor of `numel`."""
+    mark_boxes(t, (numel,), [((start,), (n,))] if n else [], (start,))
 
 
 def _slice_of(t):
@@ -187,8 +193,8 @@ def load_state_dict(opt, sd):
     # it was saved by this rank with these slices (a copy lost the marks: tensor.to("cpu:0")).
     mine_too = (meta is not None and meta.get("rank") == opt.comm.rank and meta.get("slices") == slices
                 and meta.get("world_size") == opt.comm.world_size)
-    numels = {p: s.flat.shapes[i].numel() for s in opt.stores for i in s.bucket.plan.tensors
-              for p in (s.flat.params[i],)}  # the params' own sizes (a stage-3 param is empty between steps)
+    # the params' own sizes (a stage-3 param is empty between steps)
+    numels = {s.flat.params[i]: s.flat.shapes[i].numel() for s in opt.stores for i in s.bucket.plan.tensors}
     copies = []  # (destination, source or None for zeros)
     steps = []
     master_src = {}  # id(master view) -> the slice loaded into it

@@ -23,7 +23,7 @@ align - 1 elements per tensor and world_size * align - 1 per bucket.
 """
 
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 
 @dataclass(frozen=True)
@@ -72,14 +72,15 @@ class FlatLayout:
 
     def rank_pieces(self, rank: int, bucket: int) -> Tuple[Piece, ...]:
         """The (tensor, slice) pairs inside `rank`'s shard of `bucket`, in order."""
-        start, end = self.rank_range(rank, bucket)
-        pieces = []
-        for i in self.buckets[bucket].tensors:
-            s = self.slots[i]
-            lo, hi = max(start, s.offset), min(end, s.offset + s.numel)
-            if lo < hi:
-                pieces.append(Piece(i, bucket, lo - s.offset, lo - start, hi - lo))
-        return tuple(pieces)
+        pieces = (self.rank_piece(rank, i) for i in self.buckets[bucket].tensors)
+        return tuple(pc for pc in pieces if pc is not None)
+
+    def rank_piece(self, rank: int, index: int) -> Optional[Piece]:
+        """The part of tensor `index` inside `rank`'s shard of its bucket, or None."""
+        s = self.slots[index]
+        start, end = self.rank_range(rank, s.bucket)
+        lo, hi = max(start, s.offset), min(end, s.offset + s.numel)
+        return Piece(index, s.bucket, lo - s.offset, lo - start, hi - lo) if lo < hi else None
 
     def offsets(self, bucket: int) -> List[int]:
         """Offsets of the bucket's tensors, in bucket order (for flatten/unflatten)."""

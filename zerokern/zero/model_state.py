@@ -33,7 +33,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .checkpoint import HAS_PROTOCOL, _NeedsProtocol
+from .checkpoint import mark_boxes
 
 Box = Tuple[Tuple[int, ...], Tuple[int, ...]]  # (offsets, sizes)
 
@@ -67,7 +67,7 @@ def to_boxes(values: torch.Tensor, start: int, shape) -> torch.Tensor:
     shape, n = tuple(shape), values.numel()
     if not shape:  # a 0-d param: the rank that holds it gives it whole; the others a (1,) stand-in
         out = values.reshape(()).clone() if n else values.new_zeros(1)
-        _mark(out, shape, [((), ())] if n else [], ())
+        mark_boxes(out, shape, [((), ())] if n else [], ())
         return out
     boxes = flat_boxes(start, start + n, shape)
     lo = tuple(min(o[d] for o, _ in boxes) for d in range(len(shape))) if boxes else (0,) * len(shape)
@@ -82,17 +82,8 @@ def to_boxes(values: torch.Tensor, start: int, shape) -> torch.Tensor:
         k = math.prod(z)
         out[tuple(slice(a - low, a - low + b) for a, low, b in zip(o, lo, z))] = flat[pos:pos + k].view(z)
         pos += k
-    _mark(out, shape, boxes, lo)
+    mark_boxes(out, shape, boxes, lo)
     return out
-
-
-def _mark(t, shape, boxes, origin) -> None:
-    t.global_shape = shape
-    t.global_offsets = tuple(o for o, _ in boxes)
-    t.local_sizes = tuple(z for _, z in boxes)
-    t.local_offsets = tuple(tuple(a - b for a, b in zip(o, origin)) for o, _ in boxes)
-    if not HAS_PROTOCOL:
-        t.__create_write_items__ = _NeedsProtocol()
 
 
 def is_marked(t) -> bool:

@@ -112,9 +112,9 @@ class ReleasingGradBucket(GradBucket):
         its part of this rank's shard becomes zero."""
         if not self.has_reduced:
             return
-        for pc in self.layout.rank_pieces(self.rank, self.plan.index):
-            if pc.index == index:
-                self.shard[pc.shard_offset:pc.shard_offset + pc.numel].zero_()
+        pc = self.layout.rank_piece(self.rank, index)
+        if pc is not None:
+            self.shard[pc.shard_offset:pc.shard_offset + pc.numel].zero_()
 
     def overflow_flag(self) -> torch.Tensor:
         """1.0 if the reduced shard holds an inf/nan on some rank (agreed after backward), else 0."""

@@ -240,12 +240,10 @@ class FlatParams:
     def my_slice(self, i: int):
         """(start, n, bucket, shard offset): this rank holds elements [start, start + n) of
         params[i] flattened, at [shard offset, shard offset + n) of its shard of the bucket."""
-        slot = self.layout.slots[i]
-        first, end = self.layout.rank_range(self.rank, slot.bucket)
-        lo, hi = max(first, slot.offset), min(end, slot.offset + slot.numel)
-        if lo >= hi:
-            return 0, 0, slot.bucket, 0
-        return lo - slot.offset, hi - lo, slot.bucket, lo - first
+        pc = self.layout.rank_piece(self.rank, i)
+        if pc is None:
+            return 0, 0, self.layout.slots[i].bucket, 0
+        return pc.tensor_start, pc.numel, pc.bucket, pc.shard_offset
 
     # --- stage 3 ([Note: stage-3 params] in stage3.py) --------------------------------
 
@@ -368,7 +366,10 @@ class ShardUnit:
         """Before step(): what the model did to params and grads since backward.
         - a param whose data left its bucket view is adopted ([Note: ownership]);
         - a param written in place (its version counter moved) has its fp32 master re-read where
-          the new weights are not the master's rounding.
+          the new weights are not the master's rounding;
+        - a grad assigned by hand (no backward, so no hook) moves into its bucket;
+        - a grad set to None (torch's way to skip a param this step) no longer counts.
+        A .grad that is still the view bound last is passed on identity and a pointer.
 
         [Note: in-place weights] fp16/bf16 params (and offloaded ones) are trained through a
         separate fp32 master, and step() writes the params from it. A write into a param between
@@ -376,10 +377,7 @@ class ShardUnit:
         the next step, silently, unless the master follows: the param's version counter says it
         was written (the optimizer's own writes go through the flat buffers, not the param), and
         ShardStore.refresh_params re-reads the master there. A write through p.data has a
-        version counter of its own and is not seen.
-        - a grad assigned by hand (no backward, so no hook) moves into its bucket;
-        - a grad set to None (torch's way to skip a param this step) no longer counts.
-        A .grad that is still the view bound last is passed on identity and a pointer."""
+        version counter of its own and is not seen."""
         for f in self.flat:
             for i, (p, ptr) in enumerate(zip(f.params, f.ptrs)):
                 f.check_untouched(i)  # stage 3 only: elsewhere nothing is recorded

@@ -6,6 +6,7 @@ and reports medians with the spread (25th-75th percentile) next to them.
 """
 
 import datetime
+import glob
 import json
 import os
 import platform
@@ -34,16 +35,21 @@ def time_one(fn, device):
     return time.perf_counter() - t0
 
 
-def interleaved(fns, device, rounds, warmup=1, progress=None):
+def interleaved(fns, device, rounds, warmup=1, progress=None, time_limit_s=None, min_rounds=1):
     """{name: [seconds per call]}: `rounds` rounds, each calling every fn once;
-    the order rotates per round so no implementation always runs first."""
+    the order rotates per round so no implementation always runs first.
+    time_limit_s: start no new round after this many seconds once min_rounds are done
+    (a loaded machine then gets fewer rounds instead of a run that never ends)."""
     names = list(fns)
     for _ in range(warmup):
         for name in names:
             fns[name]()
     sync(device)
     times = {name: [] for name in names}
+    t0 = time.perf_counter()
     for r in range(rounds):
+        if time_limit_s is not None and r >= min_rounds and time.perf_counter() - t0 > time_limit_s:
+            break
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:
             times[name].append(time_one(fns[name], device))
@@ -71,6 +77,37 @@ def copy_bandwidth(nbytes, device, rounds=5):
     dst = torch.empty_like(src)
     t = interleaved({"copy": lambda: dst.copy_(src)}, device, rounds)["copy"]
     return 2 * src.numel() * 4 / statistics.median(t) / 1e9
+
+
+class OtherLoad:
+    """CPU time that other processes used, and the hypervisor stole, while a block of this process
+    ran: the machine noise a benchmark's spread alone may not show (a stall that hits every round
+    alike). From /proc/stat and this process's own times; cpus() is None where /proc is absent.
+
+        load = OtherLoad(); ...; others, steal = load.cpus()   # each in CPUs (2.0 = two cores)
+    """
+
+    def __init__(self):
+        self.start = self._read()
+
+    @staticmethod
+    def _read():
+        try:
+            with open("/proc/stat") as f:
+                v = [int(x) for x in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        own = os.times()
+        busy = v[0] + v[1] + v[2] + v[5] + v[6]  # user nice system irq softirq (guest time is in user)
+        return time.perf_counter(), busy, v[7] if len(v) > 7 else 0, own.user + own.system
+
+    def cpus(self):
+        end = self._read()
+        if self.start is None or end is None or end[0] <= self.start[0]:
+            return None, None
+        tick, dt = os.sysconf("SC_CLK_TCK"), end[0] - self.start[0]
+        others = (end[1] - self.start[1]) / tick - (end[3] - self.start[3])
+        return max(0.0, others / dt), (end[2] - self.start[2]) / tick / dt
 
 
 def transformer_shapes(total):
@@ -111,11 +148,30 @@ def machine_info(device):
     if torch.device(device).type == "cuda":
         info["gpu"] = torch.cuda.get_device_name()
         info["cuda"] = torch.version.cuda
+    caches = cpu_caches()
+    if caches:
+        info["cpu_caches"] = caches
     try:
         info["zerokern_cpu_capability"] = torch.ops.zerokern.cpu_capability()
     except (AttributeError, RuntimeError):
         pass
     return info
+
+
+def cpu_caches():
+    """{"L1d": bytes, "L2": bytes, "L3": bytes} of CPU 0 (per instance; the L3 is usually shared by
+    all cores), from Linux sysfs; {} elsewhere."""
+    out = {}
+    for d in sorted(glob.glob("/sys/devices/system/cpu/cpu0/cache/index*")):
+        try:
+            level, kind, size = (open(os.path.join(d, f)).read().strip() for f in ("level", "type", "size"))
+        except OSError:
+            continue
+        if kind == "Instruction":
+            continue
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
+        out[f"L{level}{'d' if kind == 'Data' else ''}"] = int(size.rstrip("KMG")) * mult
+    return out
 
 
 def _cpu_name():
@@ -141,6 +197,26 @@ def print_table(rows, columns):
             print("  ".join("-" * w for w in widths))
 
 
+class StreamTable:
+    """A table printed a row at a time, as results arrive (print_table needs every row first).
+    columns: [(key, header, format, width)]; a row may hold a preformatted string under a key."""
+
+    def __init__(self, columns):
+        self.columns = columns
+        self.widths = [max(w, len(h)) for _, h, _, w in columns]
+
+    def header(self):
+        self._line([h for _, h, _, _ in self.columns])
+        self._line(["-" * w for w in self.widths])
+
+    def row(self, row):
+        self._line([("" if row.get(k) is None else fmt.format(row[k])) for k, _, fmt, _ in self.columns])
+
+    def _line(self, cells):
+        print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, self.widths))).rstrip(),
+              flush=True)
+
+
 class CaseLog:
     """--jsonl PATH: the machine facts, then each finished case's rows, one JSON object per line,
     appended and flushed as the case ends, so a run stopped at its time limit (bench/device_check.sh)
@@ -159,33 +235,73 @@ class CaseLog:
                     f.write(json.dumps(r) + "\n")
 
 
-def write_json(path, info, rows):
+def write_json(path, info, rows, extra=None):
+    """{"machine": info, "results": rows, **extra}; extra adds top-level keys (settings, notes)."""
     with open(path, "w") as f:
-        json.dump({"machine": info, "results": rows}, f, indent=1)
+        json.dump({"machine": info, "results": rows, **(extra or {})}, f, indent=1)
     print(f"wrote {path}")
 
 
-def plot(path, rows, x, y, series, panels, xlabel, ylabel, title):
-    """One panel per value of `panels`, one line per value of `series`."""
+def plot(path, rows, x, y, series, panels, xlabel, ylabel, title, ncols=3, styles=None, panel_order=None,
+         yerr=None, hollow=None):
+    """One panel per value of `panels` in a grid of at most `ncols` columns, one line per value
+    of `series`, each series the same colour in every panel and one legend for the figure.
+    styles: {series: matplotlib line kwargs} (colour, linestyle, ...) for chosen series; the rest
+    take the default colour cycle in sorted order. panel_order: the panels' order (default sorted).
+    yerr: (low key, high key) of each point's error bar. hollow: a key; points whose value there is
+    truthy get an open marker (a flagged measurement). Series are ordered as in styles, then sorted."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = sorted({r[panels] for r in rows})
-    fig, axes = plt.subplots(1, len(keys), figsize=(6 * len(keys), 4.5), squeeze=False)
-    for ax, key in zip(axes[0], keys):
+    present = {r[panels] for r in rows}
+    keys = [k for k in panel_order if k in present] if panel_order else sorted(present)
+    ncols = max(1, min(ncols, len(keys)))
+    nrows = -(-len(keys) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.9 * nrows + 0.9), squeeze=False)
+    present_series = {r[series] for r in rows}
+    names = [n for n in (styles or {}) if n in present_series] + sorted(present_series - set(styles or {}))
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    free = iter([c for c in cycle if c not in {st.get("color") for st in (styles or {}).values()}] * 3)
+    style = {n: dict((styles or {}).get(n) or {"color": next(free)}) for n in names}
+    for ax, key in zip(axes.flat, keys):
         sub = [r for r in rows if r[panels] == key]
-        for name in sorted({r[series] for r in sub}):
-            pts = sorted((r[x], r[y]) for r in sub if r[series] == name and r.get(y) is not None)
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        for name in names:
+            pts = sorted(((r[x], r[y], r) for r in sub if r[series] == name and r.get(y) is not None),
+                         key=lambda p: p[0])
+            if not pts:
+                continue
+            xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+            kw = {"marker": "o", "markersize": 4, "linewidth": 1.5, **style[name]}
+            if yerr:
+                err = [[p[1] - p[2][yerr[0]] for p in pts], [p[2][yerr[1]] - p[1] for p in pts]]
+                ax.errorbar(xs, ys, yerr=err, capsize=2, label=name, **kw)
+            else:
+                ax.plot(xs, ys, label=name, **kw)
+            marked = [(p[0], p[1]) for p in pts if hollow and p[2].get(hollow)]
+            if marked:
+                ax.scatter([m[0] for m in marked], [m[1] for m in marked], s=40, facecolors="white",
+                           edgecolors=kw["color"], linewidths=1.5, zorder=3)
         ax.set_xscale("log")
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
-        ax.set_title(f"{title}: {key}")
+        ax.set_ylim(bottom=0)
+        ax.set_title(str(key), fontsize=10)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
+    for ax in list(axes.flat)[len(keys):]:
+        ax.set_visible(False)
+    handles = {}
+    for ax in axes.flat:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lab, h)
+    order = [n for n in names if n in handles]
+    fig.legend([handles[n] for n in order], order, loc="lower center", ncol=min(len(order), 7), fontsize=8,
+               frameon=False)
+    fig.suptitle(title, fontsize=11)
+    legend_rows = -(-len(order) // 7)
+    height, title_lines = fig.get_figheight(), title.count("\n") + 1
+    fig.tight_layout(rect=(0, (0.25 + 0.2 * legend_rows) / height, 1, 1 - (0.05 + 0.18 * title_lines) / height))
     fig.savefig(path, dpi=110)
+    plt.close(fig)
     print(f"wrote {path}")

@@ -2,7 +2,9 @@
 trained with accumulate(), clip_grad_norm_ and a warmup schedule, with torch AdamW under
 Accelerate's DDP (--optimizer torch) or with FusedZeroAdam on an attach()ed Accelerator
 (--optimizer zero). Checkpoints go through torch.distributed.checkpoint. Rank 0 writes the
-losses, the final params and the number of gradient reductions to --out."""
+losses, the final params and the number of gradient reductions to --out. --optimizer zero-plain
+(tests/test_ddp_guard.py): FusedZeroAdam on a plain Accelerator (no attach), which must fail; each
+rank writes its error to --out.rank<r>."""
 
 import argparse
 import os
@@ -19,7 +21,7 @@ STEPS, ACCUM, GLOBAL_BATCH = 10, 2, 8
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--optimizer", choices=["torch", "zero"], required=True)
+    ap.add_argument("--optimizer", choices=["torch", "zero", "zero-plain"], required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--save", default=None, help="DCP checkpoint directory, written after step 5")
     ap.add_argument("--resume", default=None, help="DCP checkpoint directory to start from (step 5)")
@@ -46,7 +48,7 @@ def main():
     x = torch.randn(STEPS * ACCUM * GLOBAL_BATCH, 12, generator=g)
     y = x @ torch.randn(12, 5, generator=g)  # learnable: the loss must fall
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=GLOBAL_BATCH // world)
-    if args.optimizer == "zero":
+    if args.optimizer in ("zero", "zero-plain"):
         from zerokern import FusedZeroAdam
         if args.zero_stage == 3 and world > 1:
             import zerokern
@@ -59,6 +61,17 @@ def main():
         opt = torch.optim.AdamW(model.parameters(), lr=5e-2, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
     model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
+    if args.optimizer == "zero-plain":  # what attach() is for: the plain Accelerator wrapped the model in DDP
+        try:
+            for xb, yb in loader:
+                accelerator.backward((model(xb) - yb).square().mean())
+                opt.step()
+                opt.zero_grad()
+        except Exception as e:
+            with open(f"{args.out}.rank{accelerator.process_index}", "w") as f:
+                f.write(f"{type(e).__name__}: {e}")
+            raise
+        return
 
     probes = accelerator.gather(accelerator.unwrap_model(model).probe).tolist()
     reductions = [0]

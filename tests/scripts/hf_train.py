@@ -1,7 +1,9 @@
 """HF Trainer run for tests/test_hf_trainer.py (launched with torchrun, or plainly for one
 process): a tiny random-init GPT-2 on synthetic tokens, trained with torch AdamW under DDP
 (--optimizer torch) or with zerokern's ZeroTrainer (--optimizer zero). Rank 0 writes the
-logged losses and the final params to --out."""
+logged losses and the final params to --out. --optimizer zero-plain (tests/test_ddp_guard.py):
+a plain Trainer given a FusedZeroAdam, which must fail; each rank writes its error to
+--out.rank<r>."""
 
 import argparse
 import os
@@ -37,7 +39,7 @@ class CountReductions(TrainerCallback):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--optimizer", choices=["torch", "zero"], required=True)
+    ap.add_argument("--optimizer", choices=["torch", "zero", "zero-plain"], required=True)
     ap.add_argument("--output-dir", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--resume", default=None)
@@ -69,6 +71,17 @@ def main():
     counter = CountReductions()
     if args.optimizer == "torch":
         trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=[counter])
+    elif args.optimizer == "zero-plain":  # what ZeroTrainer is for: the plain Trainer wraps the model in DDP
+        from zerokern import FusedZeroAdam
+        opt = FusedZeroAdam(model.parameters(), lr=3e-3, zero_stage=args.zero_stage, bucket_cap_mb=0.01)
+        trainer = Trainer(model=model, args=targs, train_dataset=data, optimizers=(opt, None))
+        try:
+            trainer.train()
+        except Exception as e:
+            with open(f"{args.out}.rank{trainer.args.process_index}", "w") as f:
+                f.write(f"{type(e).__name__}: {e}")
+            raise
+        return
     else:
         from zerokern.integrations.hf import ZeroTrainer
         if args.zero_stage == 3 and world > 1:  # the units first (FSDP2's shape): each block, then the root

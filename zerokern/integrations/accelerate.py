@@ -53,6 +53,7 @@ import torch.distributed.checkpoint as dcp
 from ..optim.fused_zero_adam import owner_of
 from ..zero.api import full_state_dict
 from ..zero.checkpoint import FORMAT
+from ..zero.stage import ParamMode
 
 
 OPTIMIZER_DIR = "optimizer_zerokern"
@@ -127,7 +128,7 @@ def attach(accelerator):
     def zero_get_state_dict(model, unwrap=True):
         inner = accelerator.unwrap_model(model)
         opt = owner_of(_trainable(inner.parameters()))
-        if opt is not None and opt.stage3 is not None:
+        if opt is not None and opt.strategy.params is ParamMode.GATHER_PER_UNIT:
             # Stage 3: each rank holds slices; the whole weights are gathered (a collective on every
             # rank, as Accelerate's FSDP and DeepSpeed ZeRO-3 paths) onto the main process, {} elsewhere.
             return full_state_dict(inner)

@@ -20,14 +20,18 @@ import torch
 from ..kernels.backends.registry import resolve
 from ..kernels.ops import fused_adam_
 from ..zero import checkpoint
+from ..zero import ddp_guard
 from ..zero.api import make_unit, unit_of
 from ..zero.param_gather import ParamGather
 from ..zero.schedule import ReduceSchedule
 from ..zero.stage3 import runtime_for
+from ..zero.stage import GradMode, ParamMode
 from ..zero.store import ShardStore
 from .hyper import check_hyper
 from .update_lists import UniformCalls, extend_calls
 from .zero_setup import sharding, validated_groups
+
+NORM_CHUNK = 1 << 15  # elements per partial norm of the global grad norm (see _global_norm)
 
 
 def forward_order(units, index):
@@ -115,7 +119,10 @@ class FusedZeroAdam(torch.optim.Optimizer):
     several ranks a zerokern ShardedGrad placeholder, which answers GradScaler,
     zeroes with zero_() and refuses reads and edits (torch's clip_grad_norm_)
     with an error naming the param ([Note: stage-2 .grad]); under no_sync() the
-    local gradient. Setting .grad to None or assigning one works at every stage.
+    local gradient. Setting .grad to None or assigning one works at every stage; zero_grad() and
+    unused params follow torch (.grad None; set_to_none=False keeps zero grads that are stepped),
+    and at stages 2/3, where step() frees the grads, a backward or step() that would reuse the
+    last step's grads without zero_grad() in between raises ([Note: grads after step]).
     opt.state[p] holds views of this rank's slice of p (flattened) of
     "exp_avg", "exp_avg_sq" and, for fp16/bf16 params, "master_param", with
     "step" as in torch.optim.AdamW. fp32 params are their own master weights;
@@ -150,20 +157,23 @@ class FusedZeroAdam(torch.optim.Optimizer):
             check_hyper(g["lr"], g["betas"], g["eps"], g["weight_decay"])
 
         all_params = [p for g in self.param_groups for p in g["params"]]
+        # FusedZeroAdam(model.named_parameters()): errors name params as the model does
+        names = {p: n for g in self.param_groups for p, n in zip(g["params"], g.get("param_names", ()))}
         self._trainable = [p for p in all_params if p.requires_grad]
         self._frozen = [(k, p) for k, p in enumerate(all_params) if not p.requires_grad]
         owned = list({id(u): u for u in (unit_of(p) for p in self._trainable) if u is not None}.values())
         loose = [p for p in self._trainable if unit_of(p) is None]
         self.comm, config = sharding(owned, zero_stage, process_group, bucket_cap_mb, overlap_comm, offload,
                                      overlap_param_gather)
-        self.zero_stage = config.stage
+        self.zero_stage = config.stage  # as given; what it means is self.strategy
+        self.strategy = strategy = config.strategy(self.comm.world_size)
         if config.overlap_param_gather and loose:
             raise ValueError(
                 f"zerokern: overlap_param_gather=True, but params[{next(k for k, p in enumerate(all_params) if p is loose[0])}] is not sharded with "
                 "zerokern.shard(module): the gather is waited for in the forward pre-hooks of the modules that "
                 "own the params, so every trainable param must be in a zerokern.shard() unit (shard each block, "
                 "then the root), or leave overlap_param_gather off")
-        if config.stage == 3 and loose:
+        if strategy.needs_units and loose:
             raise ValueError(
                 f"zerokern: zero_stage=3, but params[{next(k for k, p in enumerate(all_params) if p is loose[0])}] "
                 "is not sharded with zerokern.shard(module, stage=3): at stage 3 params are gathered in the "
@@ -186,7 +196,7 @@ class FusedZeroAdam(torch.optim.Optimizer):
             if missing:
                 raise ValueError(f"zerokern: {missing[0]} (unit '{u.name}') is trainable but not in this "
                                  "optimizer's params: pass all of the unit's params, or freeze it before shard()")
-        self.units = owned + ([make_unit(loose, [f"params[{index[p]}]" for p in loose], [0] * len(loose), self.comm,
+        self.units = owned + ([make_unit(loose, [names.get(p, f"params[{index[p]}]") for p in loose], [0] * len(loose), self.comm,
                                          config, "params")] if loose else [])
 
         tindex = {p: k for k, p in enumerate(self._trainable)}
@@ -199,7 +209,7 @@ class FusedZeroAdam(torch.optim.Optimizer):
                                        self._share_overflow)
         self._check_overflow = any(p.dtype == torch.float16 for p in self._trainable)
         # [Note: overflow on any rank]: where .grad is local (sharded, several ranks)
-        self._share_overflow_after_backward = self.comm.distributed and config.stage >= 1
+        self._share_overflow_after_backward = strategy.local_grads
         self.schedule.owner = weakref.ref(self)
         self._scaler_in_use = True  # until a step() runs without a GradScaler ([Note: overflow on any rank])
         for u in self.units:
@@ -208,11 +218,12 @@ class FusedZeroAdam(torch.optim.Optimizer):
         # [Note: stage-3 params] in zero/stage3.py: each rank keeps its slices, the units gather in forward
         # (zerokern.shard sharded them already; the runtime gathers them in forward and backward)
         self.stage3 = None
-        if config.stage == 3 and self.comm.distributed:
+        if strategy.params is ParamMode.GATHER_PER_UNIT:
             self.stage3 = runtime_for(self.comm)
             self.stage3.expect_order(forward_order(owned, index))
         self.stores = [ShardStore(f, b, config.offload) for f, b in placed]
         self._members = [[tindex[f.params[i]] for i in f.layout.buckets[b].tensors] for f, b in placed]
+        self._flat_members = [(f, [tindex[p] for p in f.params]) for u in self.units for f in u.flat]
         self._steps = [0] * len(self._trainable)
         self._uniform_steps = True
         # Every param's "step" is a 0-dim view of this one tensor, so the usual step counts
@@ -220,7 +231,7 @@ class FusedZeroAdam(torch.optim.Optimizer):
         self._step_buffer = torch.zeros(len(self._trainable), dtype=torch.float32)
         self._pieces = [self._init_state(store, tindex) for store in self.stores]
         # [Note: gather behind forward]: the next forward uses the buckets in the reverse of backward's order
-        gathered = self.comm.distributed and self.zero_stage in (1, 2)  # stage 3 gathers in the forward
+        gathered = strategy.params is ParamMode.GATHER_AFTER_STEP  # stage 3 gathers in the forward
         in_order = self.stores[::-1]
         if config.overlap_param_gather:  # unit by unit, as the forward reaches them (sort is stable)
             position = {id(u): k for k, u in enumerate(forward_order(owned, index))}
@@ -235,6 +246,7 @@ class FusedZeroAdam(torch.optim.Optimizer):
         self._overflow_seen = False  # clip_grad_norm_'s reduction found an overflow (fp16) this round
         self.last_step_skipped = False  # the last step() skipped the update (an inf/nan on some rank)
         self._warned_no_grads = False
+        ddp_guard.watch(self)  # [Note: DDP wrap] in zero/ddp_guard.py
 
     def _init_state(self, store, tindex):
         """self.state[p] for the params of one store: views of this rank's slice of each.
@@ -250,7 +262,7 @@ class FusedZeroAdam(torch.optim.Optimizer):
                   "exp_avg_sq": store.exp_avg_sq[off:off + n]}
             if store.separate_master:
                 st["master_param"] = store.master[off:off + n]
-            if self.comm.distributed and self.zero_stage >= 1:  # [Note: sharded state in checkpoints]
+            if self.strategy.shards_state:  # [Note: sharded state in checkpoints]
                 for key in checkpoint.SLICED:
                     if key in st:
                         checkpoint.mark_slice(st[key], start, n, f.shapes[i].numel())  # stage 3: p is empty
@@ -317,7 +329,7 @@ class FusedZeroAdam(torch.optim.Optimizer):
         only while a scaler is in use (see below)."""
         if not self._share_overflow_after_backward or not self.stores:
             return
-        if self.zero_stage == 2:
+        if self.strategy.grads is GradMode.SCATTER_RELEASE:
             # The placeholders in .grad answer the scaler from this flag ([Note: stage-2 .grad]).
             # Only a scaler asks, so once step() has run without one (fp32, bf16 training) the
             # check is left out: no pass over the shards and no collective per backward. The
@@ -407,11 +419,10 @@ class FusedZeroAdam(torch.optim.Optimizer):
         self.last_step_skipped = bool(skip and any(had))
         self._clip = None
         self._overflow_seen = False
-        self.schedule.end_round(release=self.zero_stage == 2)
-        if self.zero_stage == 2:
-            for u in self.units:
-                for f in u.flat:
-                    f.unbind_released()
+        self.schedule.end_round(release=self.strategy.frees_grads_after_step)
+        if self.strategy.frees_grads_after_step:  # [Note: grads after step]
+            for f, members in self._flat_members:
+                f.after_step([had[t] for t in members])
         return loss
 
     def _prepare(self, found_inf, grad_scale=None):
@@ -475,17 +486,21 @@ class FusedZeroAdam(torch.optim.Optimizer):
         device = shards[0].device if shards else torch.device("cpu")
         if not shards:
             return torch.zeros((), device=device)
-        norms = torch.stack(torch._foreach_norm(shards, norm_type, dtype=torch.float32))  # one call, fp32
-        sharded = self.comm.distributed and self.zero_stage >= 1  # each rank holds a different part
+        sharded = self.strategy.shards_state  # each rank holds a different part
         if norm_type == float("inf"):
-            total = norms.max()
+            total = torch.stack(torch._foreach_norm(shards, norm_type, dtype=torch.float32)).max()
             if sharded:
                 self.comm.wait(self.comm.all_reduce(total, op=torch.distributed.ReduceOp.MAX, name="grad_norm"))
             return total
-        total = norms.pow(norm_type).sum()
+        # One fp32 norm over a bucket of millions of elements loses about 1e-4 (relative) on a CPU,
+        # which clipping then carries into every step; norms of NORM_CHUNK-element pieces, summed
+        # in fp64, agree with DDP's per-param norms to about 1e-7 at any bucket size, at the same cost.
+        pieces = [c for g in shards for c in g.split(NORM_CHUNK)]
+        norms = torch.stack(torch._foreach_norm(pieces, norm_type, dtype=torch.float32))  # one call
+        total = norms.double().pow(norm_type).sum()
         if sharded:
             self.comm.wait(self.comm.all_reduce(total, name="grad_norm"))
-        return total.pow(1.0 / norm_type)
+        return total.pow(1.0 / norm_type).float()
 
     def _agree(self, found_inf, grad_scale=None):
         """(global had-grad flag per trainable param, which buckets to reduce, skip).
@@ -500,9 +515,12 @@ class FusedZeroAdam(torch.optim.Optimizer):
                 for t, got in zip(members, b.got):
                     had[t] = had[t] or got
         needs = self.schedule.local_needs()
+        stale = [b.stale_accumulation for b in buckets]  # [Note: grads after step]
         if not self.comm.distributed and found_inf is None:
+            if any(stale):
+                self._raise_stale([b for b, st in zip(buckets, stale) if st])
             return had, needs, False
-        edited = [b.edited() for b in buckets]
+        edited = [b.edited() or 2.0 * st for b, st in zip(buckets, stale)]  # 1: edited, 2: stale
         n, m = len(had), len(needs)
         device = self.stores[0].bucket.device if self.stores else torch.device("cpu")
         # the last four: found_inf and grad_scale, each as x and -x, so one MAX gives max and min
@@ -515,6 +533,8 @@ class FusedZeroAdam(torch.optim.Optimizer):
             flags[n + 2 * m + 2:] = torch.stack([g, -g])
         self.comm.wait(self.comm.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, name="grad_flags"))
         values = flags.tolist()
+        if any(v > 1 for v in values[n + m:n + 2 * m]):
+            self._raise_stale([b for b, e in zip(buckets, values[n + m:n + 2 * m]) if e > 1])
         if any(v > 0 for v in values[n + m:n + 2 * m]):
             self._raise_edited([b for b, e in zip(buckets, values[n + m:n + 2 * m]) if e > 0])
         inf_max, inf_min, scale_max, scale_min = values[n + 2 * m], -values[n + 2 * m + 1], values[-2], -values[-1]
@@ -534,7 +554,17 @@ class FusedZeroAdam(torch.optim.Optimizer):
                 "agrees across ranks), or run the last backward before each step synced")
         return [v > 0 for v in values[:n]], [v > 0 for v in values[n:n + m]], inf_max > 0
 
+    def _raise_stale(self, buckets):
+        names = [s.flat.names[i] for s in self.stores if s.bucket in buckets for i in s.bucket.plan.tensors]
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        raise RuntimeError(
+            f"zerokern: the gradients of {shown} (on some rank) are from before the last step(), with no "
+            f"zero_grad() since. At zero_stage={self.zero_stage} step() frees the gradients (the stage's memory "
+            "saving), so they cannot carry over to this step as torch's would. Call opt.zero_grad() (or "
+            "model.zero_grad()) after each step(), or use zero_stage=1, which keeps them")
+
     def _raise_edited(self, buckets):
+        ddp_guard.refuse_if_reduced(self._trainable)  # DDP's reducer wrote them ([Note: DDP wrap])
         names = [s.flat.names[i] for s in self.stores if s.bucket in buckets for i in s.bucket.plan.tensors]
         shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
         raise RuntimeError(
@@ -634,16 +664,14 @@ class FusedZeroAdam(torch.optim.Optimizer):
     # --- the rest of the Optimizer API -------------------------------------
 
     def zero_grad(self, set_to_none: bool = True):
-        """Zeroes the gradient buckets. The .grad views stay (set_to_none is
-        accepted for compatibility): setting them to None would cut autograd
-        off from the buckets. A parameter counts as having no grad until the
-        next backward reaches it. A .grad that no longer views its bucket
-        (model.to() or to_empty() gave it new storage) is bound to it again."""
-        self.schedule.zero()
+        """As torch.optim: every .grad None (a param no backward reaches then is not stepped), or
+        with set_to_none=False a zero grad that the next step() uses. The buckets are zeroed;
+        autograd accumulates into them again ([Note: grads after step] in zero/sharded_grad.py)."""
+        self.schedule.zero(set_to_none)
         self._clip = None  # a new round: a clip or an overflow of the dropped one does not carry over
         self._overflow_seen = False
-        for u in self.units:
-            u.rebind_zeroed_grads()
+        for f, _ in self._flat_members:
+            f.after_zero_grad(set_to_none)
 
     def reload_master_weights(self):
         """fp16/bf16 params: re-read the fp32 master weights from the model's

@@ -4,7 +4,7 @@ accepts, and the sharding (the units' own options, or one set from its arguments
 import torch
 
 from ..zero.comm import Comm
-from ..zero.unit import ShardConfig
+from ..zero.stage import ShardConfig, optimizer_stage
 
 
 def sharding(units, zero_stage, process_group, bucket_cap_mb, overlap_comm, offload, overlap_param_gather):
@@ -27,14 +27,8 @@ def sharding(units, zero_stage, process_group, bucket_cap_mb, overlap_comm, offl
             raise ValueError("zerokern: FusedZeroAdam got another process_group than zerokern.shard(); pass it "
                              "to shard() only")
         return units[0].comm, config
-    if zero_stage == 3:
-        raise ValueError("zero_stage=3 shards the params too, so they are gathered in the forward hooks of the "
-                         "modules that own them: shard the model with zerokern.shard(block, stage=3) for each "
-                         "block, then zerokern.shard(model, stage=3), and build FusedZeroAdam(model.parameters())")
-    if isinstance(zero_stage, bool) or zero_stage not in (None, 0, 1, 2):
-        raise ValueError(f"zero_stage must be None, 0, 1 or 2, got {zero_stage!r}")
     comm = Comm(process_group)
-    stage = zero_stage if zero_stage is not None else (2 if comm.world_size > 1 else 0)
+    stage = optimizer_stage(zero_stage, comm.world_size)
     return comm, ShardConfig(stage, 25.0 if bucket_cap_mb is None else bucket_cap_mb,
                              True if overlap_comm is None else overlap_comm, offload,
                              overlap_param_gather=False if overlap_param_gather is None else overlap_param_gather)
@@ -53,9 +47,11 @@ def validated_groups(params):
     for gi, group in enumerate(groups):
         ps = group["params"]
         ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
-        group["params"] = ps
+        group["params"] = ps  # (name, param) pairs stay: torch.optim makes them "param_names"
         for p in ps:
             where = f"params[{k}] (group {gi})"
+            if isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str):  # model.named_parameters()
+                where, p = f"{p[0]} (params[{k}], group {gi})", p[1]
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"{where} is {type(p).__name__}, expected a tensor")
             if not p.is_floating_point():

@@ -7,6 +7,9 @@
     from zerokern.plan import plan, from_model
     p = plan(7.5e9, dp=64)            # a Plan: one StagePlan per ZeRO stage 0-3
     p = from_model(model, dp=8)       # counts a real module's trainable parameters
+    p = plan(7.5e9, dp=64, gpu_memory="24GB", dp_bandwidth="400Gb/s")  # or bytes: 24e9, 50e9
+
+Sizes: a string needs a unit (units.py); a number is bytes. Nothing here imports torch.
 """
 
 from .model import (DTYPE_BYTES, Plan, StagePlan, llama_params, llama_params_per_gpu, plan, transformer_params,
@@ -17,7 +20,8 @@ __all__ = ["plan", "from_model", "Plan", "StagePlan", "transformer_params", "tra
 
 
 def from_model(model, **kwargs) -> Plan:
-    """plan() for a real torch.nn.Module: its trainable parameters (shared ones once)."""
+    """plan() for a real torch.nn.Module: its trainable parameters (shared ones once). Stage 3's
+    gathered working set needs unit_params= (a unit's size, e.g. one block's); else it is None."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     kwargs.setdefault("largest_param", max((p.numel() for p in trainable), default=None))
     return plan(sum(p.numel() for p in trainable), **kwargs)

@@ -8,30 +8,15 @@ import re
 import sys
 
 from .model import DTYPE_BYTES, plan
-
-_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
-          "tib": 2**40}
+from .units import parse_size
 
 
 def parse_bytes(text, per_second=False):
-    """'80GB', '141GiB', '8e10' (bytes); with per_second also '100GB/s' (bytes) and '100Gb/s',
-    '100Gbps', '100Gbit/s' (bits, as NICs are rated: a lowercase b is a bit)."""
-    t = text.strip().replace(" ", "")
-    if per_second:
-        for suffix in ("/s", "ps"):
-            if t.lower().endswith(suffix):
-                t = t[:-len(suffix)]
-                break
-    m = re.fullmatch(r"([0-9.]+(?:[eE][+-]?[0-9]+)?)([A-Za-z]*)", t)
-    unit = m.group(2) if m else ""
-    bits = per_second and (unit.endswith("b") or unit.lower().endswith("bit"))
-    key = (unit[:-3] + "b" if unit.lower().endswith("bit") else unit).lower()
-    if not m or key not in _UNITS:
-        raise argparse.ArgumentTypeError(f"cannot read {text!r} as a size (e.g. 80GB, 141GiB, 100GB/s, 400Gb/s)")
-    value = float(m.group(1)) * _UNITS[key] / (8 if bits else 1)
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} must be positive and finite")
-    return value
+    """units.parse_size as an argparse type (argparse puts the flag in front of the reason)."""
+    try:
+        return parse_size(text, per_second)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 _COUNT_SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
@@ -89,7 +74,8 @@ def parser():
     hw.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_BYTES))
     hw.add_argument("--offload-optimizer", choices=["none", "cpu"], default="none",
                     help="keep fp32 master weights and Adam state in CPU memory (ZeRO stage 1 and up)")
-    hw.add_argument("--gpu-memory", type=parse_bytes, default=80e9, help="per GPU, e.g. 80GB (default), 141GB")
+    hw.add_argument("--gpu-memory", type=parse_bytes, default=80e9,
+                    help="per GPU, with a unit: 80GB (the default), 141GB, 24GiB")
     hw.add_argument("--dp-bandwidth", type=lambda t: parse_bytes(t, per_second=True), default=100e9,
                     help="per-GPU data-parallel link bandwidth in bytes (100GB/s, the default) or bits "
                          "(400Gb/s, 400Gbps: a lowercase b is a bit)")
@@ -100,7 +86,7 @@ def parser():
 
 
 def _gb(x):
-    return f"{x / 1e9:.2f}"
+    return "n/a" if x is None else f"{x / 1e9:.2f}"
 
 
 def render(p, marked=None):
@@ -139,8 +125,13 @@ def render(p, marked=None):
     lines.append("buffers: what zerokern holds beyond the ZeRO paper's figures with dp > 1: stage 1 the reduced grad "
                  "shard (grads/dp), stages 2 and 3 up to 5 buckets of --bucket-cap-mb in backward (2 in flight, 2 filling, 1 a tied embedding holds open). DeepSpeed's ZeRO-2 "
                  "estimator says 2 + 18/dp bytes/param (it keeps fp32 grads); zerokern 2 + 14/dp plus buffers")
-    lines.append("gathered: stage 3's full params while units compute (the root unit, the unit computing and the "
-                 "one prefetched; one layer per unit from the shape, or --unit-params/--root-params)")
+    if p.stages[3].gathered_bytes is None:
+        lines.append("gathered n/a: stage 3's working set is not modelled from a parameter count, and its total and "
+                     "fit leave it out: pass --unit-params (and --root-params) or the shape (--layers --hidden "
+                     "--heads --vocab); in Python unit_params= to plan or from_model")
+    else:
+        lines.append("gathered: stage 3's full params while units compute (the root unit, the unit computing and "
+                     "the one prefetched; one layer per unit from the shape, or --unit-params/--root-params)")
     if p.pp > 1:
         lines.append(f"pipeline bubble: (pp-1)/(m+pp-1) = {p.pipeline_bubble:.1%} with m={p.micro_batches} micro-batches")
     if p.offload_optimizer:

@@ -52,7 +52,9 @@ grads directly and keeps no fp32 copy of them.
 units compute: the outermost unit (the root: embeddings, final norm, a tied head) stays
 gathered through forward and backward, and besides it the unit computing and the one prefetched
 (zerokern/zero/stage3.py): root + 2 units, in the param dtype (`gathered`). Its gradients go
-through stage 2's buckets, so stage 3 has stage 2's `buffers` too.
+through stage 2's buckets, so stage 3 has stage 2's `buffers` too. Sizing it needs a unit's
+size: from the shape one layer is a unit; from a param count (from_model too) only if
+unit_params is given, and otherwise `gathered` is None, not 0: not modelled, and not in the total.
 
 Communication per GPU per step, data-parallel, ring algorithms: plain DP
 all-reduces the grads (reduce-scatter + all-gather: 2 x params x (dp-1)/dp
@@ -66,6 +68,8 @@ for m micro-batches.
 import math
 from dataclasses import asdict, dataclass, field
 from typing import List, Optional
+
+from .units import to_bytes
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -84,7 +88,9 @@ class StagePlan:
     headroom_bytes: float
     comm_bytes: float  # sent (and received) per GPU per step
     comm_seconds: float
-    gathered_bytes: float = 0.0  # stage 3: full params gathered at once ([Note: the stage-3 working set])
+    # stage 3: full params gathered at once ([Note: the stage-3 working set]); None where it is not
+    # modelled (a param count without unit_params), and then left out of total_bytes
+    gathered_bytes: Optional[float] = 0.0
 
 
 @dataclass(frozen=True)
@@ -156,7 +162,10 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
     hidden, heads, vocab[, ffn_hidden]) of a GPT-style (arch="gpt") or Llama-style
     (arch="llama", with ffn_hidden and optionally kv_heads) transformer. Stage 3's gathered
     working set needs the size of a gathering unit: from the shape, one layer (the root holding
-    the rest); with `params`, unit_params (and root_params, default largest_param) if given."""
+    the rest); with `params`, unit_params (and root_params, default largest_param) if given,
+    else stage 3's gathered_bytes is None (not modelled) and its total leaves it out.
+    gpu_memory and dp_bandwidth take bytes (per second) as a number, or the command line's strings
+    with a unit: '24GB', '24GiB', '100GB/s', '400Gb/s' (bits); a string without a unit is refused."""
     if arch not in ("gpt", "llama"):
         raise ValueError(f"arch must be 'gpt' or 'llama', got {arch!r}")
     if dtype not in DTYPE_BYTES:
@@ -165,8 +174,9 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
         raise ValueError(f"offload_optimizer must be 'cpu' or None, got {offload_optimizer!r}")
     offload = offload_optimizer == "cpu"
     for name, v in (("dp", dp), ("tp", tp), ("pp", pp), ("micro_batches", micro_batches),
-                    ("gpu_memory", gpu_memory), ("dp_bandwidth", dp_bandwidth), ("bucket_cap_mb", bucket_cap_mb)):
+                    ("bucket_cap_mb", bucket_cap_mb)):
         _positive(name, v)
+    gpu_memory, dp_bandwidth = to_bytes("gpu_memory", gpu_memory), to_bytes("dp_bandwidth", dp_bandwidth, True)
     shape = (layers, hidden, heads, vocab)
     if params is not None and any(x is not None for x in shape):
         raise ValueError("give either params or the shape (layers, hidden, heads, vocab), not both")
@@ -241,9 +251,9 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
             cap = bucket_cap_mb * 2**20
             held_open = cap if largest_param is None else max(cap, b * largest_param)
             buffers = min(g_bytes, 4 * cap + held_open)
-            if stage == 3 and unit_params is not None:  # [Note: the stage-3 working set]
-                gathered = min(p_bytes, b * (root_params + 2 * unit_params))
-        gpu = shard(p_bytes, 3) + gathered + shard(g_bytes, 2) + buffers + (0 if off else optimizer)
+            if stage == 3:  # [Note: the stage-3 working set]; None: no unit size, so not modelled
+                gathered = None if unit_params is None else min(p_bytes, b * (root_params + 2 * unit_params))
+        gpu = shard(p_bytes, 3) + (gathered or 0) + shard(g_bytes, 2) + buffers + (0 if off else optimizer)
         comm = (3 if stage == 3 else 2) * per_gpu * b * (dp - 1) / dp
         stages.append(StagePlan(
             stage=stage, params_bytes=shard(p_bytes, 3), grads_bytes=shard(g_bytes, 2), buffers_bytes=buffers,

@@ -20,12 +20,16 @@ import weakref
 from typing import Callable, Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import ddp_guard
+from . import model_state
 from .comm import Comm
 from .materialize import in_scope, materialize
 from .stage3 import runtime_for
-from .unit import OffloadPolicy, ShardConfig, ShardUnit
+from .stage import OffloadPolicy, ParamMode, ShardConfig
+from .unit import ShardUnit
 
 # param -> a weak reference to the unit that owns it. Weak both ways: a param that dies (or a
 # deepcopy's new param) is not in it, and the unit (which holds its params strongly) lives as long
@@ -67,6 +71,7 @@ class ZeroModule:
 
 def _forward_pre_hook(module, args):
     unit = module._zerokern_unit
+    ddp_guard.check_forward(unit)  # [Note: DDP wrap] in ddp_guard.py
     # [Note: interrupted backward] in schedule.py: a new forward ends a backward that never finished.
     if unit.schedule is not None:
         unit.schedule.reset()
@@ -106,7 +111,9 @@ def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket
                          reshard_after_forward=reshard_after_forward)
     if init is not None and not callable(init):
         raise TypeError(f"init must be a callable taking the module, got {type(init).__name__}")
-    if stage == 3:
+    comm = Comm(process_group)
+    strategy = config.strategy(comm.world_size)
+    if strategy.materializes_meta:
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         materialize(module, torch.device(device), init, lambda m: isinstance(m, ZeroModule))
@@ -134,8 +141,8 @@ def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket
             raise ValueError(f"zerokern.shard: {n} is on the meta device; materialise the module first "
                              "(module.to_empty(device=...) and initialise it), or shard it with stage=3, which "
                              "materialises one unit at a time")
-    comm = Comm(process_group)
-    if stage == 3 and comm.distributed:  # shard() runs collectives from here on: agree first
+    gathers_per_unit = strategy.params is ParamMode.GATHER_PER_UNIT
+    if gathers_per_unit:  # shard() runs collectives from here on: agree first
         _check_same_on_every_rank(comm, module, config, params, names)
     unit = make_unit(params, names, runs, comm, config, type(module).__name__)
     unit.module_slots = []
@@ -148,7 +155,7 @@ def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket
     unit.module = weakref.ref(module)  # the module holds the unit; not the other way round
     module._zerokern_unit = unit
     module.register_forward_pre_hook(_forward_pre_hook)
-    if stage == 3 and comm.distributed:
+    if gathers_per_unit:
         # Frozen params and buffers stay whole on every rank; they take rank 0's values too (a meta
         # init may have drawn them from each rank's own generator). The trainable ones: runtime.add.
         whole = {id(t): t for m in in_scope(module, lambda c: isinstance(c, ZeroModule))
@@ -177,14 +184,15 @@ def full_state_dict(model: torch.nn.Module, *, rank0_only: bool = True, device="
     rank holds the whole model; the gather itself goes one bucket at a time. A snapshot: its
     tensors are copies.
     torch.save it, and load it with model.load_state_dict into any model, sharded or not."""
-    sd = model.state_dict()
+    with model_state.collecting_sources() as sources:  # id(slice) -> its param
+        sd = model.state_dict()
     comm, whole = None, {}  # id(param) -> its full values (on the ranks that keep them)
-    for n, p in model.named_parameters(remove_duplicate=False):
+    for p in model.parameters():
         unit = unit_of(p)
+        comm = comm or (unit.comm if unit is not None else None)
         where = unit.locate(p) if unit is not None else None
         if where is None or not where[0].shards_params or id(p) in whole:
             continue
-        comm = unit.comm
         keep = not rank0_only or comm.rank == 0
         f = where[0]
         for b, bucket in enumerate(f.layout.buckets):  # the whole FlatParams at once: the same order everywhere
@@ -194,12 +202,20 @@ def full_state_dict(model: torch.nn.Module, *, rank0_only: bool = True, device="
                 slot = f.layout.slots[i]
                 value = full[slot.offset:slot.offset + slot.numel].view(f.shapes[i])
                 whole[id(f.params[i])] = value.to(device, copy=True) if keep else None
-    if rank0_only and comm is not None and comm.rank != 0:
+    rank = comm.rank if comm is not None else (dist.get_rank() if dist.is_initialized() else 0)
+    if rank0_only and rank != 0:
         return {}
-    params = dict(model.named_parameters(remove_duplicate=False))
-    # copies throughout (a snapshot, as the gathered ones are): training on does not change it
-    return {k: (whole[id(params[k])] if k in params and id(params[k]) in whole else v.to(device, copy=True))
-            for k, v in sd.items()}
+    out = {}
+    for k, v in sd.items():  # copies throughout (a snapshot, as the gathered ones are)
+        source = sources.get(id(v))
+        if source is not None and id(source) in whole:
+            out[k] = whole[id(source)]
+        elif model_state.is_marked(v):  # a slice whose param was not found: never hand it out as whole
+            raise RuntimeError(f"zerokern.full_state_dict: entry '{k}' is this rank's slice of a stage-3 param "
+                               "that the gather did not reach; please report this with the model's wrappers")
+        else:
+            out[k] = v.to(device, copy=True) if isinstance(v, torch.Tensor) else v
+    return out
 
 
 def _check_same_on_every_rank(comm, module, config, params, names) -> None:

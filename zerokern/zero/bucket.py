@@ -41,22 +41,25 @@ class GradBucket:
 
     releases = False  # the full buffer is kept until step()/zero_grad()
 
-    def __init__(self, layout: FlatLayout, plan: Bucket, dtype, device, comm, rank: int, sharded: bool, name: str):
+    def __init__(self, layout: FlatLayout, plan: Bucket, dtype, device, comm, rank: int, scatters: bool, name: str):
         self.layout, self.plan = layout, plan
         self.dtype, self.device = dtype, device
         self.comm, self.rank = comm, rank
-        self.sharded = sharded  # reduce-scatter into self.shard (stages 1/2, world > 1); else all-reduce in place
+        self.scatters = scatters  # reduce-scatter into self.shard (stages 1/2, world > 1); else all-reduce in place
         self.name = name  # for errors and profiler labels
         self.full: Optional[torch.Tensor] = None
         self._reduced_view: Optional[torch.Tensor] = None
-        self.shard = torch.zeros(plan.shard_numel, dtype=dtype, device=device) if sharded else None
+        self.shard = torch.zeros(plan.shard_numel, dtype=dtype, device=device) if scatters else None
         self.state = BucketState.IDLE
         self.work = None
         self.rewritten = False  # a hook fired after the launch (reentrant checkpointing, shared weights)
         self.known_version = None  # full._version after the last write the runtime knows of
         self.reduced_in_round = False  # launched at least once since the round began
         self.ready = set()  # members whose hook ran in the current synced backward
-        self.got: List[bool] = [False] * len(plan.tensors)  # by position in plan.tensors: a grad since the round began
+        # By position in plan.tensors: the member has a grad, as torch's p.grad is not None: set by
+        # backward, kept across step() where the buffer is kept (stages 0/1), cleared by None.
+        self.got: List[bool] = [False] * len(plan.tensors)
+        self.stale_accumulation = False  # a backward added to a grad step() had consumed (freed)
         self._pos = {t: k for k, t in enumerate(plan.tensors)}
         self._range = layout.rank_range(rank, plan.index)  # this rank's [start, end) of the bucket
 
@@ -77,6 +80,16 @@ class GradBucket:
     def view_for_overwrite(self, index: int, shape) -> torch.Tensor:
         """As view(), for a caller that writes the whole slot before anything reads it."""
         return self.view(index, shape)
+
+    def zeroed_view(self, index: int, shape) -> torch.Tensor:
+        """view(), zeroed: for a member that starts from no grad (autograd adds into it)."""
+        view = self.view(index, shape)
+        view.zero_()
+        self.note_write()
+        return view
+
+    def has_grad(self, index: int) -> bool:
+        return self.got[self._pos[index]]
 
     def is_view(self, index: int, grad: Optional[torch.Tensor], shape) -> bool:
         full = self.full
@@ -111,7 +124,7 @@ class GradBucket:
     def edited(self) -> bool:
         """The local grads were changed in place after the reduction by something other than
         the runtime, at a stage where .grad holds local grads ([Note: the local grads are the truth])."""
-        return (self.sharded and self.state is not BucketState.IDLE and self.full is not None
+        return (self.scatters and self.state is not BucketState.IDLE and self.full is not None
                 and self.full._version != self.known_version)
 
     def clear_got(self, index: int) -> None:
@@ -127,8 +140,8 @@ class GradBucket:
         self.wait()  # a re-launch waits out the previous collective on this buffer
         # In place (stage 0) the buffer holds averages after the first reduction, also for a
         # member this rank had no grad for: zeroing it again would drop the other ranks' part.
-        full = self._begin_launch(zero_missing=self.sharded or not self.reduced_in_round)
-        if self.sharded:
+        full = self._begin_launch(zero_missing=self.scatters or not self.reduced_in_round)
+        if self.scatters:
             self.work = self.comm.reduce_scatter(self.shard, full, name=f"reduce_scatter[{self.name}]")
         else:
             self.work = self.comm.all_reduce(full, name=f"all_reduce[{self.name}]")
@@ -156,8 +169,8 @@ class GradBucket:
         self.comm.wait(self.work)
         self.work = None
         if self.comm.distributed:
-            (self.shard if self.sharded else self.full).div_(self.comm.world_size)
-        if not self.sharded:
+            (self.shard if self.scatters else self.full).div_(self.comm.world_size)
+        if not self.scatters:
             self.note_write()  # in place: the average is now what the buffer holds
         self.state = BucketState.REDUCED
 
@@ -166,26 +179,31 @@ class GradBucket:
         return (self.state is BucketState.IDLE and any(self.got)) or self.rewritten
 
     def end_round(self) -> None:
-        """After step(): -> IDLE; the local grads stay (stage 1) until zero_grad()."""
+        """After step(): -> IDLE; the local grads (and who has one) stay until zero_grad(), as torch's."""
         self.wait()
         self.state = BucketState.IDLE
         self.ready.clear()
         self.rewritten = False
         self.reduced_in_round = False
-        self.got = [False] * len(self.got)
+        self.stale_accumulation = False
 
-    def zero(self) -> None:
-        """zero_grad(): -> IDLE with zeroed local grads."""
+    def zero(self, set_to_none: bool = True) -> None:
+        """zero_grad(): -> IDLE, no grads counted (FlatParams.after_zero_grad counts the zero grads
+        that torch would step). set_to_none: the buffer is left as it is; a member's slot is zeroed
+        when a backward next binds it (zeroed_view), so nothing is zeroed twice."""
         self.end_round()
-        if self.full is not None:
+        self.got = [False] * len(self.got)
+        if self.full is not None and not set_to_none:
             self.full.zero_()
             self.note_write()
 
     def release(self) -> None:
-        """Stage 2 after step(): -> IDLE and the full buffer dropped (the .grad views go with it)."""
+        """Stages 2/3 on one process after step(): -> IDLE and the full buffer dropped (the .grad
+        views go with it)."""
         self.end_round()
         self.full = None
         self._reduced_view = None
+        self.got = [False] * len(self.got)
 
     def abandon(self) -> None:
         """A backward that never finished: wait out its collective (every rank launched the same

@@ -102,7 +102,7 @@ def shard_state_dict(opt):
 def _gather(opt, shard, device):
     """A bucket's full tensor from every rank's shard (a collective when sharded), gathered on
     `device` (the bucket's: an offloaded store's CPU tensors travel through it)."""
-    if not (opt.comm.distributed and opt.zero_stage >= 1):
+    if not opt.strategy.shards_state:
         return shard
     part = shard.to(device)
     full = part.new_empty(part.numel() * opt.comm.world_size)

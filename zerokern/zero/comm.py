@@ -14,6 +14,7 @@ backward. On CPUs, gloo runs them on its own threads and wait() blocks.
 """
 
 import itertools
+import os
 import time
 from contextlib import nullcontext
 
@@ -74,10 +75,25 @@ class _SumOnWait:
 _TAGS = {}
 
 
+def _check_launched_alone():
+    """No process group: one process. A launcher that started several (torchrun's WORLD_SIZE)
+    means the group is not made yet, and going on would train each rank on its own, silently
+    unsharded (HF: the model sharded before TrainingArguments, which makes the group)."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    if world.strip().isdigit() and int(world) > 1:
+        rank = os.environ.get("RANK", "?")
+        raise RuntimeError(
+            f"zerokern (rank {rank}): WORLD_SIZE={world} but torch.distributed has no process group yet, so "
+            "each rank would train unsharded on its own. Call torch.distributed.init_process_group() first (HF "
+            "Trainer: build TrainingArguments, which makes the group, before zerokern.shard and the optimizer)")
+
+
 class Comm:
     def __init__(self, process_group=None):
         if process_group is None and dist.is_available() and dist.is_initialized():
             process_group = dist.group.WORLD
+        if process_group is None:
+            _check_launched_alone()
         self.group = process_group
         self.world_size = dist.get_world_size(process_group) if process_group is not None else 1
         self.rank = dist.get_rank(process_group) if process_group is not None else 0

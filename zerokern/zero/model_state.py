@@ -27,6 +27,7 @@ whole tensor of the param's shape (a consolidated dict, torch.load(..., mmap=Tru
 rank copies only its slice). Frozen params and buffers are whole on every rank and load as usual.
 """
 
+import contextlib
 import math
 import weakref
 from typing import Dict, List, Optional, Tuple
@@ -95,6 +96,27 @@ def from_boxes(t: torch.Tensor) -> torch.Tensor:
     parts = [t[tuple(slice(o, o + z) for o, z in zip(lo, size))].reshape(-1)
              for lo, size in zip(t.local_offsets, t.local_sizes)]
     return torch.cat(parts) if parts else t.new_zeros(0)
+
+
+# id(marked tensor) -> the param it is a slice of, while zerokern.full_state_dict collects them
+# (keys are no guide: a wrapper such as checkpoint_wrapper renames them after the hooks ran).
+_SOURCES: Optional[Dict[int, torch.Tensor]] = None
+
+
+@contextlib.contextmanager
+def collecting_sources():
+    """Within: each marked slice model.state_dict() hands out is recorded with its param."""
+    global _SOURCES
+    outer, _SOURCES = _SOURCES, {}
+    try:
+        yield _SOURCES
+    finally:
+        _SOURCES = outer
+
+
+def note_source(t: torch.Tensor, param: torch.Tensor) -> None:
+    if _SOURCES is not None:
+        _SOURCES[id(t)] = param
 
 
 class HandedOut:

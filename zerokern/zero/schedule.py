@@ -127,10 +127,10 @@ class ReduceSchedule:
         self._next = 0
         self.state = BackwardState.IDLE
 
-    def zero(self) -> None:
+    def zero(self, set_to_none: bool = True) -> None:
         self.reset()
         for b in self.buckets:
-            b.zero()
+            b.zero(set_to_none)
         self._in_flight.clear()
         self._next = 0
         self.state = BackwardState.IDLE

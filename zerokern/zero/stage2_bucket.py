@@ -180,9 +180,10 @@ class ReleasingGradBucket(GradBucket):
         self.reduced_in_round = False
         self.has_reduced = False
         self.overflow = None
+        self.stale_accumulation = False
         self.got = [False] * len(self.got)
 
-    def zero(self) -> None:
+    def zero(self, set_to_none: bool = True) -> None:
         self.end_round()
 
     def release(self) -> None:

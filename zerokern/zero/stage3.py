@@ -66,6 +66,7 @@ def _hook_state_dicts(module, up) -> None:
                 start, n, b, off = f.my_slice(i)
                 t = model_state.to_boxes(f.param_shards[b][off:off + n], start, f.shapes[i])
                 up.handed.add(t, key)
+                model_state.note_source(t, f.params[i])
                 state_dict[key] = t
 
     def load(mod, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):

@@ -24,93 +24,38 @@ them in different buckets, and the final norm's bucket can be reduced early.
 """
 
 import weakref
-from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import torch
 
 from .bucket import GradBucket
 from .layout import plan_layout
-from .sharded_grad import ShardedGrad
+from .sharded_grad import CONSUMED, ZERO, ShardedGrad
+from .stage import GradMode, OffloadPolicy, ParamMode, ShardConfig, Strategy  # noqa: F401 (re-exported)
 from .stage2_bucket import ReleasingGradBucket
 from .states import BucketState
 from .storage import FlatBuffers
 
 
-@dataclass(frozen=True)
-class OffloadPolicy:
-    """Keep the fp32 master weights and Adam state in (pinned) CPU memory; the
-    update runs there with zerokern's CPU kernel (the reduced grad shard is
-    copied over, the updated param shard back)."""
-
-    pin_memory: bool = True
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")
-
-
-@dataclass(frozen=True)
-class ShardConfig:
-    """How a unit is sharded. stage: 0 (replicated, all-reduce, as DDP), 1
-    (optimizer state sharded), 2 (gradients too: full buffers freed as they are reduced), 3
-    (params too: gathered for the unit's forward and backward only, [Note: stage-3 params] in
-    stage3.py). reshard_after_forward (stage 3): free the unit's full params after its forward
-    and gather them again for its backward (False keeps them until backward, trading memory
-    for one gather, as FSDP2's option of the same name)."""
-
-    stage: int = 2
-    bucket_cap_mb: float = 25.0
-    overlap_comm: bool = True
-    offload: Optional[OffloadPolicy] = None
-    align: int = 16
-    overlap_param_gather: bool = False  # [Note: gather behind forward] in param_gather.py
-    reshard_after_forward: bool = True  # stage 3 only
-
-    def __post_init__(self):
-        if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
-            raise ValueError(f"stage must be 0, 1, 2 or 3, got {self.stage!r}")
-        if not isinstance(self.reshard_after_forward, bool):
-            raise TypeError(f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}")
-        if self.stage == 3 and self.overlap_param_gather:
-            raise ValueError("overlap_param_gather is for stages 1 and 2: at stage 3 every unit's params are "
-                             "gathered in its forward (the next unit's gather prefetched); leave it off")
-        if self.stage == 3 and self.offload is not None:
-            raise ValueError("offload at stage 3 is not offered yet; use stage=2 with offload, or stage=3 without")
-        if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, (int, float)):
-            raise TypeError(f"bucket_cap_mb must be a number, got {type(self.bucket_cap_mb).__name__}")
-        if not 0 < self.bucket_cap_mb < float("inf"):
-            raise ValueError(f"bucket_cap_mb must be > 0 and finite, got {self.bucket_cap_mb}")
-        if not isinstance(self.overlap_comm, bool):
-            raise TypeError(f"overlap_comm must be True or False, got {self.overlap_comm!r}")
-        if not isinstance(self.overlap_param_gather, bool):
-            raise TypeError(f"overlap_param_gather must be True or False, got {self.overlap_param_gather!r}")
-        if self.offload is not None and not isinstance(self.offload, OffloadPolicy):
-            raise TypeError(f"offload must be None or a zerokern.OffloadPolicy, got {type(self.offload).__name__}")
-
-
 class FlatParams:
     """One dtype's trainable params of a unit (in backward order), their buffers and grad buckets."""
 
-    def __init__(self, params, names, breaks, comm, config: ShardConfig, unit_name: str):
+    def __init__(self, params, names, breaks, comm, config: ShardConfig, strategy: Strategy, unit_name: str):
         self.params, self.names = params, names
         self.unit_name = unit_name
         self.shapes = [p.shape for p in params]  # at stage 3 p.shape is [0] while the unit is sharded
         self.dtype, self.device = params[0].dtype, params[0].device
-        self.sharded = config.stage >= 1
-        shard_world = comm.world_size if self.sharded else 1
-        self.rank = comm.rank if self.sharded else 0
+        self.rank = comm.rank if strategy.shards_state else 0
         cap = max(1, int(config.bucket_cap_mb * 2**20 // params[0].element_size()))
-        self.layout = plan_layout([p.numel() for p in params], shard_world, cap, config.align, breaks)
+        self.layout = plan_layout([p.numel() for p in params], strategy.layout_world, cap, config.align, breaks)
         self.param_bufs = FlatBuffers.from_tensors(params, self.layout)
         self.param_bufs.bind_params(params)
-        reduce_scatter = self.sharded and comm.distributed
         dt = str(self.dtype).replace("torch.", "")
         # [Note: stage-2 memory]: full grad buffers live only until their reduction completes
-        self.releases = config.stage >= 2 and reduce_scatter
+        self.releases = strategy.grads is GradMode.SCATTER_RELEASE
         # [Note: stage-3 params]: this rank keeps only its slice of each param bucket (set by
         # shard_params(); the full buffers then hold values only while the unit is gathered)
-        self.shards_params = config.stage == 3 and comm.distributed
+        self.shards_params = strategy.params is ParamMode.GATHER_PER_UNIT
         self.param_shards: Optional[List[torch.Tensor]] = None
         self.empty_versions: List[Optional[int]] = [None] * len(params)  # p._version when its data went empty
         if self.releases:
@@ -119,8 +64,9 @@ class FlatParams:
                                                 on_launch=self._reconcile)
                             for b in self.layout.buckets]
         else:
-            self.buckets = [GradBucket(self.layout, b, self.dtype, self.device, comm, self.rank, reduce_scatter,
-                                       f"{unit_name}:{dt}:{b.index}") for b in self.layout.buckets]
+            self.buckets = [GradBucket(self.layout, b, self.dtype, self.device, comm, self.rank,
+                                       strategy.reduce_scatters, f"{unit_name}:{dt}:{b.index}")
+                            for b in self.layout.buckets]
         self.bound: List[Optional[torch.Tensor]] = [None] * len(params)  # the view each .grad was last set to
         self.ptrs = [p.data_ptr() for p in params]  # where each param's data must stay ([Note: ownership])
         self.changed = set()  # params adopted with new values since the stores last looked
@@ -128,12 +74,10 @@ class FlatParams:
         # (load_state_dict, an nn.init call, clamp_ under no_grad) moves it ([Note: in-place weights])
         self.versions = [p._version for p in params]
         for i, p in enumerate(params):
-            had_grad = p.grad is not None
-            if self.releases and not had_grad:
-                continue  # [Note: stage-2 memory]: no full grad buffer until a grad comes
+            if p.grad is None:
+                continue  # as in torch, None until a backward reaches it (no full grad buffer until then)
             self.bind_grad(i)
-            if had_grad:  # a grad from before sharding counts, as torch.optim would use it
-                self.bucket_of(i).mark_got(i, False)
+            self.bucket_of(i).mark_got(i, False)  # a grad from before sharding counts, as torch.optim would use it
 
     def bucket_of(self, i: int) -> GradBucket:
         return self.buckets[self.layout.slots[i].bucket]
@@ -157,6 +101,8 @@ class FlatParams:
         ([Note: stage-3 params]), so it stands in a stride-0 view of the full shape (no copy) for
         the assignment."""
         p = self.params[i]
+        if grad is not None:
+            self.check_moved(i)  # before torch refuses a grad of the old dtype with its own message
         if grad is not None and p.shape != grad.shape:
             held = p.data
             p.data = held.new_zeros(()).expand(self.shapes[i])  # 0-d: expands to any shape, () too
@@ -174,7 +120,8 @@ class FlatParams:
         gives a param unused on one rank the averaged grad."""
         for i in bucket.plan.tensors:
             p = self.params[i]
-            if bucket.is_view(i, p.grad, self.shapes[i]) or p.grad is None:
+            if bucket.has_grad(i) and (p.grad is None or isinstance(p.grad, ShardedGrad)
+                                       or bucket.is_view(i, p.grad, self.shapes[i])):
                 self.set_grad(i, ShardedGrad(p, self.names[i], bucket, i, self.shapes[i]))
 
     def sync_grad(self, i: int) -> None:
@@ -184,6 +131,8 @@ class FlatParams:
         p, bound, bucket = self.params[i], self.bound[i], self.bucket_of(i)
         g = p.grad
         if g is bound:
+            if isinstance(g, ShardedGrad) and g.kind is CONSUMED:
+                bucket.stale_accumulation = True  # a grad the last step used, still held: step() raises
             return
         if self.releases:
             self.take_grad_change(i)
@@ -310,11 +259,46 @@ class FlatParams:
         if p.grad is not None and not isinstance(p.grad, ShardedGrad):  # model.to() moved the grad along
             self.bind_grad(i)
 
-    def unbind_released(self) -> None:
-        """After the full grad buffers were released: the .grad views go too."""
-        for i in range(len(self.params)):
-            if self.bucket_of(i).full is None:
+    def after_step(self, had) -> None:
+        """The full grad buffers were freed after step() (stages 2 and 3): a param that had a grad
+        holds a CONSUMED placeholder, as torch would still hold its grad; the others None.
+        had[i]: params[i] had a grad on some rank this step."""
+        for i, p in enumerate(self.params):
+            if had[i]:
+                self.set_grad(i, ShardedGrad(p, self.names[i], self.bucket_of(i), i, self.shapes[i], CONSUMED))
+            elif p.grad is not None:
                 self.set_grad(i, None)
+
+    def after_zero_grad(self, set_to_none: bool) -> None:
+        """As torch's zero_grad: every .grad None, or (set_to_none=False) each existing grad a zero
+        grad that the next step() uses (momentum and weight decay move the param) unless a backward
+        adds to it: the (zeroed) bucket view, or a ZERO placeholder where the buffer is freed."""
+        for i, p in enumerate(self.params):
+            g = p.grad
+            if g is None and self.bound[i] is None:
+                continue
+            self.check_moved(i)
+            bucket = self.bucket_of(i)
+            if set_to_none or g is None:
+                self.set_grad(i, None)
+            elif bucket.full is not None:
+                self.set_grad(i, bucket.view(i, self.shapes[i]))  # zeroed by the schedule
+                bucket.mark_got(i, False)
+            else:
+                self.set_grad(i, ShardedGrad(p, self.names[i], bucket, i, self.shapes[i], ZERO))
+                bucket.mark_got(i, False)
+
+    def before_accumulate(self, i: int) -> None:
+        """Autograd is about to add a grad for params[i] (a hook before its accumulation)."""
+        p, bucket = self.params[i], self.bucket_of(i)
+        g = p.grad
+        if isinstance(g, ShardedGrad) and g.kind is CONSUMED:
+            bucket.stale_accumulation = True  # step() raises on every rank ([Note: grads after step])
+        if self.releases:
+            self.prepare_grad(i)
+        elif g is None or isinstance(g, ShardedGrad):
+            # torch starts from no grad: a zeroed slot, which autograd adds into in place
+            self.set_grad(i, bucket.zeroed_view(i, self.shapes[i]))
 
 
 class ShardUnit:
@@ -325,6 +309,7 @@ class ShardUnit:
         """params/names/runs in registration order; runs[k] numbers the stretch of the
         module's params (between other units' params) that params[k] belongs to."""
         self.comm, self.config, self.name = comm, config, name
+        self.strategy = config.strategy(comm.world_size)  # what the stage means here (stage.py)
         self.schedule = None  # the ReduceSchedule of the optimizer that owns this unit, once one does
         self.module_slots = []  # (module, attribute, param): set by zerokern.shard to follow the module
         self.param_owners = []  # (module, param) for every module holding a param, tied ones each time
@@ -336,7 +321,8 @@ class ShardUnit:
         for dtype in sorted({params[k].dtype for k in trainable}, key=str):
             ks = [k for k in trainable if params[k].dtype == dtype][::-1]  # backward order
             breaks = [j for j in range(1, len(ks)) if runs[ks[j]] != runs[ks[j - 1]]]
-            self.flat.append(FlatParams([params[k] for k in ks], [names[k] for k in ks], breaks, comm, config, name))
+            self.flat.append(FlatParams([params[k] for k in ks], [names[k] for k in ks], breaks, comm, config,
+                                         self.strategy, name))
         self._where = {}
         for f in self.flat:
             for i, p in enumerate(f.params):
@@ -388,20 +374,6 @@ class ShardUnit:
                     f.changed.add(i)
                 f.sync_grad(i)
 
-    def rebind_zeroed_grads(self) -> None:
-        """After zero_grad(): each .grad is its (zeroed) bucket view again, or None where the
-        bucket's buffer is released; a grad moved elsewhere (model.to(), to_empty()) is dropped."""
-        for f in self.flat:
-            for i, (p, bound) in enumerate(zip(f.params, f.bound)):
-                g = p.grad
-                if g is None and bound is None:
-                    continue
-                bucket = f.bucket_of(i)
-                if bucket.full is None:
-                    f.set_grad(i, None)
-                elif g is not bound or not bucket.is_view(i, g, f.shapes[i]):
-                    f.set_grad(i, bucket.view(i, f.shapes[i]))
-
     def adopt_replacement(self, owner, attr, p, q) -> None:
         """owner.<attr> was replaced by another tensor q (load_state_dict(assign=True)): p takes
         q's values and its place back, so the optimizer keeps training what the model uses."""
@@ -450,8 +422,8 @@ def _pre_hook(unit_ref, k: int, i: int):
         bucket = f.bucket_of(i)
         if bucket.state is BucketState.IN_FLIGHT:
             bucket.wait()
-        if f.releases:
-            f.prepare_grad(i)
+        if f.releases or not bucket.is_view(i, f.params[i].grad, f.shapes[i]):  # the usual case: a bound view
+            f.before_accumulate(i)
     return pre_hook
 
 

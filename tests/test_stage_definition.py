@@ -1,0 +1,34 @@
+"""The stage is a value read in one place (issue 25): zerokern/zero/stage.py turns (stage, world
+size) into a Strategy; no other runtime file compares a stage number. The planner (zerokern/plan)
+models the stages themselves and is not runtime code."""
+
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "zerokern"
+DEFINITION = ROOT / "zero" / "stage.py"
+# a stage number compared or tested: `stage == 3`, `zero_stage in (1, 2)`, `config.stage >= 1`, ...
+READ = re.compile(r"\b(zero_)?stage\s*(==|!=|>=|<=|>|<|\bin\b|\bnot in\b)|(==|!=|>=|<=|>|<)\s*\w*\.?(zero_)?stage\b")
+
+
+def _code(line):
+    return line.split("#", 1)[0]
+
+
+def test_only_the_stage_definition_reads_a_stage_number():
+    offenders = []
+    for path in sorted(ROOT.rglob("*.py")):
+        if path == DEFINITION or "plan" in path.relative_to(ROOT).parts:
+            continue
+        for k, line in enumerate(path.read_text().splitlines(), 1):
+            if READ.search(_code(line)):
+                offenders.append(f"{path.relative_to(ROOT.parent)}:{k}: {line.strip()}")
+    assert not offenders, "stage numbers read outside zerokern/zero/stage.py:\n" + "\n".join(offenders)
+
+
+def test_the_check_finds_a_stage_read():
+    """The pattern is not vacuous: each way the old code read the stage is caught."""
+    for line in ("if config.stage == 3 and loose:", "gathered = self.zero_stage in (1, 2)",
+                 "sharded = self.comm.distributed and self.zero_stage >= 1", "if 2 == stage:"):
+        assert READ.search(line), line
+    assert not READ.search("self.zero_stage = config.stage")

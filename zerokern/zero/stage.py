@@ -1,0 +1,149 @@
+"""The one place that says what a ZeRO stage means: ShardConfig (the options a user picks, the
+stage among them) and Strategy, built from (stage, world size) by Strategy.of and read by every
+other file as values (GradMode, ParamMode and two flags). No other file compares a stage number
+(tests/test_stage_definition.py checks that).
+
+    stage  world  state     grads                 after step()       params
+    0      any    whole     ALL_REDUCE (average)  kept               WHOLE
+    1      > 1    sharded   SCATTER_KEEP (local)  kept               GATHER_AFTER_STEP
+    2      > 1    sharded   SCATTER_RELEASE       freed              GATHER_AFTER_STEP
+    3      > 1    sharded   SCATTER_RELEASE       freed              GATHER_PER_UNIT
+    1-3    1      whole     ALL_REDUCE (no-op)    kept (1), freed    WHOLE
+                                                  (2, 3)
+
+On one process stages 2 and 3 train as stage 2: nothing to gather or scatter, but the full grad
+buffers are freed after step() (the memory a user picked stage 2 or 3 for).
+"""
+
+import enum
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+class GradMode(enum.Enum):
+    """What a bucket does with its gradients, and what .grad holds after backward."""
+
+    ALL_REDUCE = "all_reduce"  # in place: .grad holds the average, as DDP (stage 0, or one process)
+    SCATTER_KEEP = "scatter_keep"  # reduce-scatter; .grad keeps this rank's local grad (stage 1)
+    SCATTER_RELEASE = "scatter_release"  # reduce-scatter, full buffer freed once reduced (stages 2, 3)
+
+
+class ParamMode(enum.Enum):
+    """Where the params' values live between steps."""
+
+    WHOLE = "whole"  # every rank holds every param and updates all of it (stage 0, one process)
+    GATHER_AFTER_STEP = "gather_after_step"  # whole on every rank; step() all-gathers the updated shards
+    GATHER_PER_UNIT = "gather_per_unit"  # this rank's slices only; gathered per unit in forward/backward
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """Keep the fp32 master weights and Adam state in (pinned) CPU memory; the
+    update runs there with zerokern's CPU kernel (the reduced grad shard is
+    copied over, the updated param shard back)."""
+
+    pin_memory: bool = True
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class ShardConfig:
+    """How a unit is sharded. stage: 0 (replicated, all-reduce, as DDP), 1
+    (optimizer state sharded), 2 (gradients too: full buffers freed as they are reduced), 3
+    (params too: gathered for the unit's forward and backward only, [Note: stage-3 params] in
+    stage3.py). reshard_after_forward (stage 3): free the unit's full params after its forward
+    and gather them again for its backward (False keeps them until backward, trading memory
+    for one gather, as FSDP2's option of the same name)."""
+
+    stage: int = 2
+    bucket_cap_mb: float = 25.0
+    overlap_comm: bool = True
+    offload: Optional[OffloadPolicy] = None
+    align: int = 16
+    overlap_param_gather: bool = False  # [Note: gather behind forward] in param_gather.py
+    reshard_after_forward: bool = True  # stage 3 only
+
+    def __post_init__(self):
+        if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"stage must be 0, 1, 2 or 3, got {self.stage!r}")
+        if not isinstance(self.reshard_after_forward, bool):
+            raise TypeError(f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}")
+        if self.stage == 3 and self.overlap_param_gather:
+            raise ValueError("overlap_param_gather is for stages 1 and 2: at stage 3 every unit's params are "
+                             "gathered in its forward (the next unit's gather prefetched); leave it off")
+        if self.stage == 3 and self.offload is not None:
+            raise ValueError("offload at stage 3 is not offered yet; use stage=2 with offload, or stage=3 without")
+        if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, (int, float)):
+            raise TypeError(f"bucket_cap_mb must be a number, got {type(self.bucket_cap_mb).__name__}")
+        if not 0 < self.bucket_cap_mb < float("inf"):
+            raise ValueError(f"bucket_cap_mb must be > 0 and finite, got {self.bucket_cap_mb}")
+        if not isinstance(self.overlap_comm, bool):
+            raise TypeError(f"overlap_comm must be True or False, got {self.overlap_comm!r}")
+        if not isinstance(self.overlap_param_gather, bool):
+            raise TypeError(f"overlap_param_gather must be True or False, got {self.overlap_param_gather!r}")
+        if self.offload is not None and not isinstance(self.offload, OffloadPolicy):
+            raise TypeError(f"offload must be None or a zerokern.OffloadPolicy, got {type(self.offload).__name__}")
+
+    def strategy(self, world_size: int) -> "Strategy":
+        return Strategy.of(self.stage, world_size)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A ZeRO stage on a world size, as the values the runtime acts on. Build with Strategy.of."""
+
+    stage: int  # for messages and repr only
+    world_size: int
+    shards_state: bool  # fp32 masters and optimizer state sharded over the ranks
+    grads: GradMode
+    frees_grads_after_step: bool  # the full grad buffers go after step() (stages 2 and 3, any world)
+    params: ParamMode
+    needs_units: bool  # every trainable param must be in a zerokern.shard() unit (stage 3)
+    materializes_meta: bool  # zerokern.shard() may take a meta-device module (stage 3)
+
+    @staticmethod
+    def of(stage: int, world_size: int) -> "Strategy":
+        if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+            raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+        several = world_size > 1
+        if not several or stage == 0:
+            grads = GradMode.ALL_REDUCE
+        else:
+            grads = GradMode.SCATTER_KEEP if stage == 1 else GradMode.SCATTER_RELEASE
+        if not several or stage == 0:
+            params = ParamMode.WHOLE
+        else:
+            params = ParamMode.GATHER_PER_UNIT if stage == 3 else ParamMode.GATHER_AFTER_STEP
+        return Strategy(stage, world_size, several and stage >= 1, grads, stage >= 2, params,
+                        needs_units=stage == 3, materializes_meta=stage == 3)
+
+    @property
+    def reduce_scatters(self) -> bool:
+        return self.grads is not GradMode.ALL_REDUCE
+
+    @property
+    def local_grads(self) -> bool:
+        """.grad holds this rank's local (unreduced) grad after backward, not the average."""
+        return self.grads is not GradMode.ALL_REDUCE
+
+    @property
+    def layout_world(self) -> int:
+        """How many ranks the bucket layout splits into (1: every rank holds whole buckets)."""
+        return self.world_size if self.shards_state else 1
+
+
+def optimizer_stage(zero_stage, world_size: int) -> int:
+    """FusedZeroAdam(zero_stage=...) for params it buckets itself (no zerokern.shard()): None picks
+    2 on several ranks, else 0; stage 3 needs units."""
+    if zero_stage == 3:
+        raise ValueError("zero_stage=3 shards the params too, so they are gathered in the forward hooks of the "
+                         "modules that own them: shard the model with zerokern.shard(block, stage=3) for each "
+                         "block, then zerokern.shard(model, stage=3), and build FusedZeroAdam(model.parameters())")
+    if isinstance(zero_stage, bool) or zero_stage not in (None, 0, 1, 2):
+        raise ValueError(f"zero_stage must be None, 0, 1 or 2, got {zero_stage!r}")
+    return zero_stage if zero_stage is not None else (2 if world_size > 1 else 0)

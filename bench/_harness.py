@@ -38,8 +38,9 @@ def time_one(fn, device):
 def interleaved(fns, device, rounds, warmup=1, progress=None, time_limit_s=None, min_rounds=1):
     """{name: [seconds per call]}: `rounds` rounds, each calling every fn once;
     the order rotates per round so no implementation always runs first.
-    time_limit_s: start no new round after this many seconds once min_rounds are done
-    (a loaded machine then gets fewer rounds instead of a run that never ends)."""
+    time_limit_s: start no new round after this many seconds once min_rounds are done, and
+    call no more an fn whose calls alone took that long (it keeps the samples it has): a
+    loaded machine gets fewer rounds instead of a run that never ends."""
     names = list(fns)
     for _ in range(warmup):
         for name in names:
@@ -48,8 +49,12 @@ def interleaved(fns, device, rounds, warmup=1, progress=None, time_limit_s=None,
     times = {name: [] for name in names}
     t0 = time.perf_counter()
     for r in range(rounds):
-        if time_limit_s is not None and r >= min_rounds and time.perf_counter() - t0 > time_limit_s:
-            break
+        if time_limit_s is not None:
+            if r >= min_rounds and time.perf_counter() - t0 > time_limit_s:
+                break
+            names = [n for n in names if sum(times[n]) <= time_limit_s]
+            if not names:
+                break
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:
             times[name].append(time_one(fns[name], device))
@@ -61,7 +66,11 @@ def interleaved(fns, device, rounds, warmup=1, progress=None, time_limit_s=None,
 def summary(seconds):
     """Median and 25th/75th percentiles in milliseconds."""
     ms = sorted(s * 1e3 for s in seconds)
-    q = statistics.quantiles(ms, n=4) if len(ms) > 1 else [ms[0]] * 3
+    # "exclusive" (the default) extrapolates past the samples when there are only two.
+    if len(ms) == 1:
+        q = [ms[0]] * 3
+    else:
+        q = statistics.quantiles(ms, n=4, method="exclusive" if len(ms) > 2 else "inclusive")
     return {"median_ms": statistics.median(ms), "p25_ms": q[0], "p75_ms": q[2], "min_ms": ms[0], "n": len(ms)}
 
 
@@ -275,7 +284,7 @@ def plot(path, rows, x, y, series, panels, xlabel, ylabel, title, ncols=3, style
             xs, ys = [p[0] for p in pts], [p[1] for p in pts]
             kw = {"marker": "o", "markersize": 4, "linewidth": 1.5, **style[name]}
             if yerr:
-                err = [[p[1] - p[2][yerr[0]] for p in pts], [p[2][yerr[1]] - p[1] for p in pts]]
+                err = [[max(0.0, p[1] - p[2][yerr[0]]) for p in pts], [max(0.0, p[2][yerr[1]] - p[1]) for p in pts]]
                 ax.errorbar(xs, ys, yerr=err, capsize=2, label=name, **kw)
             else:
                 ax.plot(xs, ys, label=name, **kw)

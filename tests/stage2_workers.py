@@ -154,7 +154,9 @@ def placeholder_behaviour(rank, world):
     except RuntimeError as e:
         out["read"] = str(e)
     opt.step()
-    out["none_after_step"] = all(p.grad is None for p in model.parameters())
+    # torch still holds the grads after step(); here they are freed ([Note: grads after step])
+    out["consumed_after_step"] = all(type(p.grad).__name__ == "ShardedGrad" and p.grad.kind == "consumed"
+                                     for p in model.parameters())
     # pending local grads edited after a reduction of the same round: refused in step(), on every rank
     opt.zero_grad()
     gpt_loss(model, mine(seq, rank, world)).backward()

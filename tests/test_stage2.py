@@ -38,7 +38,7 @@ def test_placeholder_grads_refuse_what_they_cannot_do_and_name_the_param():
         assert r["clip"] and "on the gradient of params[" in r["clip"], r
         assert "opt.clip_grad_norm_" in r["clip"] and "zero_stage=1" in r["clip"], r
         assert r["read"] and "on the gradient of params[" in r["read"], r
-        assert r["none_after_step"], r
+        assert r["consumed_after_step"], r
         assert r["pending_edit"] and "changed in place between backward and step()" in r["pending_edit"], r
 
 

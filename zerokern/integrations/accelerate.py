@@ -50,7 +50,7 @@ import re
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ..optim.fused_zero_adam import owner_of
+from ..zero.engine import owner_of
 from ..zero.api import full_state_dict
 from ..zero.checkpoint import FORMAT
 from ..zero.stage import ParamMode
@@ -114,7 +114,7 @@ def attach(accelerator):
         opt = owner_of(trainable)
         if opt is None:
             return clip_grad_norm_(params, max_norm, norm_type=norm_type)
-        if {id(p) for p in trainable} != {id(p) for p in opt._trainable}:
+        if {id(p) for p in trainable} != {id(p) for p in opt.engine.trainable}:
             raise NotImplementedError(
                 "zerokern: accelerator.clip_grad_norm_ got a part of FusedZeroAdam's params; it clips all of them "
                 "by their global norm (opt.clip_grad_norm_). Pass model.parameters(), or use a separate optimizer "

@@ -1,37 +1,6 @@
-"""What FusedZeroAdam checks and decides at construction: the param groups it
-accepts, and the sharding (the units' own options, or one set from its arguments)."""
+"""The param groups the zerokern optimizers accept (checked at their boundary)."""
 
 import torch
-
-from ..zero.comm import Comm
-from ..zero.stage import ShardConfig, optimizer_stage
-
-
-def sharding(units, zero_stage, process_group, bucket_cap_mb, overlap_comm, offload, overlap_param_gather):
-    """(Comm, ShardConfig) for the params: the units' own, or one from the arguments."""
-    if units:
-        configs = {u.config for u in units}
-        groups = {id(u.comm.group) for u in units}
-        if len(configs) > 1 or len(groups) > 1:
-            raise ValueError("zerokern: the params were sharded with different options or process groups: "
-                             + "; ".join(f"{u.name}: {u.config}" for u in units))
-        config = units[0].config
-        given = {"zero_stage": (zero_stage, config.stage), "bucket_cap_mb": (bucket_cap_mb, config.bucket_cap_mb),
-                 "overlap_comm": (overlap_comm, config.overlap_comm), "offload": (offload, config.offload),
-                 "overlap_param_gather": (overlap_param_gather, config.overlap_param_gather)}
-        for name, (mine, theirs) in given.items():
-            if mine is not None and mine != theirs:
-                raise ValueError(f"zerokern: FusedZeroAdam({name}={mine!r}), but zerokern.shard() set {theirs!r} "
-                                 f"for these params; pass it to shard() only")
-        if process_group is not None and process_group is not units[0].comm.group:
-            raise ValueError("zerokern: FusedZeroAdam got another process_group than zerokern.shard(); pass it "
-                             "to shard() only")
-        return units[0].comm, config
-    comm = Comm(process_group)
-    stage = optimizer_stage(zero_stage, comm.world_size)
-    return comm, ShardConfig(stage, 25.0 if bucket_cap_mb is None else bucket_cap_mb,
-                             True if overlap_comm is None else overlap_comm, offload,
-                             overlap_param_gather=False if overlap_param_gather is None else overlap_param_gather)
 
 
 def validated_groups(params):

@@ -80,9 +80,9 @@ def _forward_pre_hook(module, args):
     for owner, attr, p in unit.module_slots:
         q = owner._parameters.get(attr)
         if q is not p:
-            opt = unit.schedule.owner() if unit.schedule is not None and unit.schedule.owner is not None else None
-            if opt is not None:
-                opt.finish_param_gather()  # p is written next ([Note: gather behind forward])
+            engine = unit.schedule.owner() if unit.schedule is not None and unit.schedule.owner is not None else None
+            if engine is not None:
+                engine.finish_param_gather()  # p is written next ([Note: gather behind forward])
             unit.adopt_replacement(owner, attr, p, q)
 
 

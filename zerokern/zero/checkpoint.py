@@ -231,8 +231,6 @@ def load_state_dict(opt, sd):
         dst.fill_(value)
     for s, ok in valid.items():
         s.master_valid = ok
-    opt._steps = [int(opt.state[p]["step"].item()) for p in opt._trainable]
-    opt._uniform_steps = len(set(opt._steps)) <= 1
 
 
 def _my_slice(t, numel, start, n, k, key, rank, mine_too):

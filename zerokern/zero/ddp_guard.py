@@ -53,15 +53,16 @@ def _reduced(ddp) -> dict:
     return reduced
 
 
-def _refuse(ddp, owner, params) -> None:
-    """Raise if `ddp` reduces one of `params` (owner: what is remembered as cleared otherwise)."""
+def _refuse(ddp, owner, ids) -> None:
+    """Raise if `ddp` reduces one of the params with these ids (owner: what is remembered as cleared
+    otherwise)."""
     cleared = _CLEARED.get(ddp)
     if cleared is None:
         cleared = _CLEARED[ddp] = weakref.WeakSet()
     if owner in cleared:
         return
     reduced = _reduced(ddp)
-    hit = next((reduced[id(p)] for p in params if id(p) in reduced), None)
+    hit = next((reduced[i] for i in ids if i in reduced), None)
     if hit is not None:
         raise WrappedInDDPError(message(hit))
     cleared.add(owner)
@@ -75,15 +76,16 @@ def check_forward(unit) -> None:
     """From a zerokern.shard module's forward pre-hook: refuse a DDP forward over the unit's params."""
     ddp = _active()
     if ddp is not None:
-        _refuse(ddp, unit, unit.params)
+        _refuse(ddp, unit, [id(p) for p in unit.params])
 
 
 class _Watch:
     """The params of a FusedZeroAdam outside any zerokern.shard unit, watched from every module's
     forward until the optimizer's first step() ([Note: DDP wrap])."""
 
-    def __init__(self, opt):
+    def __init__(self, opt, params):
         self.opt = weakref.ref(opt)  # the global hook holds this watch: it must not hold the optimizer
+        self.ids = [id(p) for p in params]  # alive as long as the optimizer (checked before use)
         self.handle = torch.nn.modules.module.register_module_forward_pre_hook(self._pre_forward)
         # torch iterates its step hooks while calling them, so this one cannot remove itself; once
         # the watch is closed it only returns
@@ -94,11 +96,10 @@ class _Watch:
         ddp = _active()
         if ddp is None:
             return
-        opt = self.opt()
-        if opt is None:
+        if self.opt() is None:
             self.close()
             return
-        _refuse(ddp, self, opt._trainable)
+        _refuse(ddp, self, self.ids)
 
     def _after_step(self, opt, args, kwargs):
         self.close()
@@ -109,13 +110,15 @@ class _Watch:
             self.handle = None
 
 
-def watch(opt) -> None:
-    """At FusedZeroAdam's construction: watch its params that no zerokern.shard unit holds (the
-    units' own forward hooks check theirs). Only where a process group exists (DDP needs one)."""
+def watch(opt, units=None) -> None:
+    """At the construction of a torch optimizer over zerokern units (default: opt.units): watch the
+    params that no zerokern.shard unit holds (the units' own forward hooks check theirs), until
+    opt's first step(). Only where a process group exists (DDP needs one)."""
     if _DDP is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
         return
-    if any(u.module() is None for u in opt.units):  # a unit the optimizer made of loose params
-        _Watch(opt)
+    loose = [p for u in (opt.units if units is None else units) if u.module() is None for p in u.params]
+    if loose:  # the params of a unit the optimizer made itself
+        _Watch(opt, loose)
 
 
 def refuse_if_reduced(params=(), grad=None) -> None:

@@ -10,7 +10,7 @@ reduced grad is staged to the CPU before the update and the new param shard
 is copied back after it (stage() / finish()).
 """
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -19,7 +19,10 @@ from .unit import FlatParams, OffloadPolicy
 
 
 class ShardStore:
-    def __init__(self, flat: FlatParams, b: int, offload: Optional[OffloadPolicy]):
+    def __init__(self, flat: FlatParams, b: int, offload: Optional[OffloadPolicy],
+                 state_keys: Sequence[str] = ("exp_avg", "exp_avg_sq")):
+        """state_keys: the optimizer's fp32 state per element (Adam's two moments; none for an
+        optimizer that keeps its own, ZeroOptimizer's inner torch optimizer)."""
         self.flat, self.b = flat, b
         self.bucket: GradBucket = flat.buckets[b]
         param_shard = self._param_shard = flat.param_shard(b)  # a view of a buffer the unit keeps for good
@@ -30,7 +33,7 @@ class ShardStore:
         def alloc(dtype=torch.float32):
             return torch.zeros(n, dtype=dtype, device=self.device, pin_memory=pin)
 
-        self.exp_avg, self.exp_avg_sq = alloc(), alloc()
+        self.state = {key: alloc() for key in state_keys}
         self.offloaded = self.device != param_shard.device
         self.low_precision = param_shard.dtype != torch.float32
         # The param shard is its own fp32 master only on its own device.
@@ -43,6 +46,14 @@ class ShardStore:
         # between construction and the first step are the ones trained.
         self.master_valid = not self.separate_master
         self._filled_version = None  # the master's _version after fill_unread_master()
+
+    @property
+    def exp_avg(self) -> torch.Tensor:
+        return self.state["exp_avg"]
+
+    @property
+    def exp_avg_sq(self) -> torch.Tensor:
+        return self.state["exp_avg_sq"]
 
     def param_shard(self) -> torch.Tensor:
         return self._param_shard
@@ -89,7 +100,9 @@ class ShardStore:
                 master.copy_(torch.where(master.to(new.dtype) == new, master, new.to(master.dtype)))
 
     def operands(self):
-        """(master, grad, exp_avg, exp_avg_sq, model) for the fused kernel over this shard."""
+        """(master, grad, *state (in state_keys order), model) over this shard: for Adam the fused
+        kernel's (master, grad, exp_avg, exp_avg_sq, model). model: the fp16/bf16 param shard the
+        update writes (None for fp32 params)."""
         grad = self.bucket.reduced_grad()
         if self.offloaded:
             # Blocking: the CPU kernel reads it right away (an async device-to-host copy
@@ -98,7 +111,7 @@ class ShardStore:
         model = None
         if self.low_precision:
             model = self.staging if self.offloaded else self.param_shard()
-        return self.master, grad, self.exp_avg, self.exp_avg_sq, model
+        return (self.master, grad, *self.state.values(), model)
 
     def finish(self) -> None:
         """After the kernel: an offloaded store sends the new params back."""
@@ -108,4 +121,4 @@ class ShardStore:
 
     def nbytes(self) -> dict:
         return {"master_params": self.master.numel() * 4 if self.separate_master else 0,
-                "adam_state": (self.exp_avg.numel() + self.exp_avg_sq.numel()) * 4}
+                "adam_state": sum(t.numel() * 4 for t in self.state.values())}

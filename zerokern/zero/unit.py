@@ -124,6 +124,13 @@ class FlatParams:
                                        or bucket.is_view(i, p.grad, self.shapes[i])):
                 self.set_grad(i, ShardedGrad(p, self.names[i], bucket, i, self.shapes[i]))
 
+    def give_reduced_placeholder(self, i: int) -> None:
+        """params[i] had no grad on this rank but had one on another ([Note: who had a grad] in
+        engine.py): its .grad becomes the placeholder of the averaged grad, as DDP gives it."""
+        if self.params[i].grad is None:
+            bucket = self.bucket_of(i)
+            self.set_grad(i, ShardedGrad(self.params[i], self.names[i], bucket, i, self.shapes[i]))
+
     def sync_grad(self, i: int) -> None:
         """What the user did to params[i].grad since the runtime bound it: a grad assigned by hand
         (no backward, so no hook) moves into its bucket; one set to None (torch's way to skip a

@@ -1,0 +1,123 @@
+"""Per-rank bodies of test_zero_optimizer.py: zerokern.ZeroOptimizer over a torch optimizer at
+stages 1-3, against the same torch optimizer on one process over the full batch."""
+
+import copy
+
+import torch
+import torch.nn as nn
+
+import zerokern
+from numerics import abs_diff
+
+STEPS = 4
+OPTIMIZERS = {
+    "sgd": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)),
+    "adagrad": (torch.optim.Adagrad, dict(lr=0.05, weight_decay=0.01)),
+    "adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+}
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(11)
+        self.a, self.b, self.head = nn.Linear(6, 10), nn.Linear(10, 10), nn.Linear(10, 1)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.b(torch.tanh(self.a(x))))).square().mean()
+
+
+def _groups(model):
+    """Two param groups with their own keys: weights, and biases at another lr without decay."""
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    return [{"params": weights}, {"params": biases, "lr": 0.02, "weight_decay": 0.0}]
+
+
+def _data(world):
+    g = torch.Generator().manual_seed(12)
+    return [torch.randn(4 * world, 6, generator=g) for _ in range(STEPS)], torch.randn(8, 6, generator=g)
+
+
+def train(rank, world, name, stage):
+    torch.set_num_threads(1)
+    cls, kw = OPTIMIZERS[name]
+    data, held_out = _data(world)
+    ref = Net()
+    ref_opt = cls(_groups(ref), **kw)
+    model = Net()
+    if stage == 3:
+        for m in (model.a, model.b, model.head):
+            zerokern.shard(m, stage=3, bucket_cap_mb=1e-4)
+        zerokern.shard(model, stage=3, bucket_cap_mb=1e-4)
+        opt = zerokern.ZeroOptimizer(_groups(model), cls, **kw)
+    else:
+        opt = zerokern.ZeroOptimizer(_groups(model), cls, zero_stage=stage, bucket_cap_mb=1e-4, **kw)
+    losses, ref_losses = [], []
+    for x in data:
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        loss = model(x[rank * 4:(rank + 1) * 4])
+        loss.backward()
+        ref_loss = ref(x)
+        ref_loss.backward()
+        opt.step()
+        ref_opt.step()
+        both = torch.stack([loss.detach()])
+        torch.distributed.all_reduce(both)
+        losses.append(both.item() / world)
+        ref_losses.append(ref_loss.item())
+    with torch.no_grad():
+        eval_loss, ref_eval = model(held_out).item(), ref(held_out).item()
+    full = zerokern.full_state_dict(model, rank0_only=False)
+    sd = opt.state_dict()
+    # the same world size: this rank's state loads back and training goes on alike
+    twin_model = copy.deepcopy(ref) if stage != 3 else None
+    return {"losses": losses, "ref_losses": ref_losses, "eval": eval_loss, "ref_eval": ref_eval,
+            "diff": max(abs_diff(full[n], p) for n, p in ref.named_parameters()),
+            "state_keys": sorted({k for st in sd["state"].values() for k in st}),
+            "lr": [g["lr"] for g in opt.param_groups], "twin": twin_model is not None}
+
+
+def resume(rank, world, stage):
+    """state_dict() after 2 steps, loaded into a fresh ZeroOptimizer: the next 2 steps are
+    bitwise those of the uninterrupted run; a whole (one-process) torch state dict loads too."""
+    torch.set_num_threads(1)
+    cls, kw = OPTIMIZERS["adamw"]
+    data, _ = _data(world)
+
+    def build():
+        model = Net()
+        return model, zerokern.ZeroOptimizer(_groups(model), cls, zero_stage=stage, bucket_cap_mb=1e-4, **kw)
+
+    def run(model, opt, xs):
+        for x in xs:
+            opt.zero_grad()
+            model(x[rank * 4:(rank + 1) * 4]).backward()
+            opt.step()
+
+    model, opt = build()
+    run(model, opt, data[:2])
+    sd, weights = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
+    run(model, opt, data[2:])
+    model2, opt2 = build()
+    model2.load_state_dict(weights)
+    opt2.load_state_dict(sd)
+    run(model2, opt2, data[2:])
+    same = all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+    # the same torch optimizer's whole state (one process, full batch) loads into the shards
+    ref = Net()
+    ref_opt = cls(_groups(ref), **kw)
+    for x in data[:2]:
+        ref_opt.zero_grad()
+        ref(x).backward()
+        ref_opt.step()
+    model3, opt3 = build()
+    model3.load_state_dict(ref.state_dict())
+    opt3.load_state_dict(ref_opt.state_dict())
+    run(model3, opt3, data[2:])
+    for x in data[2:]:
+        ref_opt.zero_grad()
+        ref(x).backward()
+        ref_opt.step()
+    return {"same": same, "from_torch": max(abs_diff(a, b) for a, b in zip(model3.parameters(), ref.parameters()))}

@@ -1,0 +1,248 @@
+"""ZeroOptimizer: any elementwise torch.optim optimizer over this rank's ZeRO shards.
+
+    opt = zerokern.ZeroOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9,
+                                 zero_stage=2)
+
+The signature is torch's ZeroRedundancyOptimizer's (params, optimizer_class, **defaults), plus
+zerokern's sharding options. The engine (zero/engine.py) does everything ZeRO: reduction,
+GradScaler agreement, clipping (max_grad_norm, clip_grad_norm_), gathers, stage-3 units. The
+inner torch optimizer sees one fp32 tensor per param and rank, a view of this rank's slice of the
+param's fp32 master in its shard store ("a piece"), with the reduced, unscaled and clipped
+gradient of that slice as .grad, and updates it in place. For an elementwise optimizer (each
+element's update depends on that element's grad and state only: SGD, Adam, AdamW, Adagrad,
+RMSprop, ...) the pieces together give exactly the numbers of the same optimizer on whole
+params. One that reads whole tensors (Adafactor's row and column statistics, LAMB's trust ratio,
+LBFGS) would not, and is refused.
+
+State: the inner optimizer's, per piece. state_dict() gives it keyed by the outer param index,
+each piece-sized tensor marked with where it lies in the flattened param (as FusedZeroAdam's:
+[Note: sharded state in checkpoints] in zero/checkpoint.py), so dcp.save / dcp.load re-shard it;
+load_state_dict takes such a dict, or whole (unsharded) tensors, e.g. the same torch optimizer's
+state dict on one process.
+"""
+
+import torch
+
+from ..zero import checkpoint
+from ..zero.engine import ZeroEngine
+from .zero_setup import validated_groups
+
+# torch.optim classes whose update is elementwise (so per-slice updates equal whole-tensor ones)
+_ELEMENTWISE = {getattr(torch.optim, n) for n in ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "NAdam",
+                                                   "RAdam", "Adadelta", "ASGD", "Rprop") if hasattr(torch.optim, n)}
+_SHARDING = ("zero_stage", "process_group", "bucket_cap_mb", "overlap_comm", "offload", "overlap_param_gather")
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """ZeroOptimizer(params, optimizer_class, *, zero_stage=None, process_group=None, bucket_cap_mb=None,
+    overlap_comm=None, offload=None, overlap_param_gather=None, max_grad_norm=None, elementwise=None, **defaults)
+
+    Trains params with optimizer_class(**defaults) on this rank's fp32 shards (see the module
+    docstring). The sharding options and the .grad rules are FusedZeroAdam's. elementwise=True
+    vouches for an optimizer class not known here to update each element on its own."""
+
+    _step_supports_amp_scaling = True  # the engine unscales, and agrees on inf/nan across ranks
+
+    def __init__(self, params, optimizer_class, *, max_grad_norm=None, elementwise=None, **kwargs):
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise TypeError(f"ZeroOptimizer: optimizer_class must be a torch.optim.Optimizer class, got "
+                            f"{optimizer_class!r}")
+        if not (elementwise or optimizer_class in _ELEMENTWISE):
+            raise ValueError(
+                f"ZeroOptimizer: {optimizer_class.__name__} is not known to update each element on its own "
+                "(Adafactor and LAMB-style optimizers read whole tensors: row/column statistics, trust ratios), so "
+                "running it on each rank's slice of a param would give other numbers than on the whole param. "
+                "Use an elementwise optimizer (SGD, Adam, AdamW, Adagrad, RMSprop, ...), or pass elementwise=True "
+                "if this one is")
+        if max_grad_norm is not None and not 0 < float(max_grad_norm) < float("inf"):
+            raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+        sharding = {k: kwargs.pop(k) for k in _SHARDING if k in kwargs}
+        self.optimizer_class, self.max_grad_norm = optimizer_class, max_grad_norm
+        # the inner class's own defaults (and its checks of them), read from a throwaway instance
+        defaults = optimizer_class([torch.zeros(1, requires_grad=True)], **kwargs).defaults
+        self._constructing = True
+        super().__init__(validated_groups(params), defaults)
+        self._constructing = False
+        names = {p: n for g in self.param_groups for p, n in zip(g["params"], g.get("param_names", ()))}
+        self.engine = ZeroEngine(self, [g["params"] for g in self.param_groups], names, state_keys=(),
+                                 what="ZeroOptimizer", options=repr((optimizer_class.__name__, kwargs)), **sharding)
+        trainable = self.engine.trainable
+        group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
+        # per trainable param: (store index, shard offset, numel, start in the flattened param)
+        self._where = [None] * len(trainable)
+        for s, pieces in enumerate(self.engine.pieces):
+            for t, off, n, start in pieces:
+                if n:
+                    self._where[t] = (s, off, n, start)
+        stores = self.engine.stores
+        self._piece = {t: stores[w[0]].master[w[1]:w[1] + w[2]]  # a leaf view: the inner optimizer's param
+                       for t, w in enumerate(self._where) if w is not None}
+        ts_of = [[] for _ in self.param_groups]  # per param group, its pieces' trainable indices
+        for t, p in enumerate(trainable):
+            if t in self._piece:
+                ts_of[group_of[id(p)]].append(t)
+        self._inner_groups = [gi for gi, ts in enumerate(ts_of) if ts]  # groups with a piece on this rank
+        self._inner_ts = [ts_of[gi] for gi in self._inner_groups]
+        self._inner_index = {t: k for k, t in enumerate(t for ts in self._inner_ts for t in ts)}
+        keys = lambda g: {k: v for k, v in g.items() if k not in ("params", "param_names")}  # noqa: E731
+        kept = [{**keys(self.param_groups[gi]), "params": [self._piece[t] for t in ts]}
+                for gi, ts in zip(self._inner_groups, self._inner_ts)]
+        if not kept:  # this rank holds no element of any param (more ranks than elements)
+            kept = [{**keys(self.param_groups[0]), "params": [torch.zeros(0)]}]
+        self.inner = optimizer_class(kept, **kwargs)
+
+    comm = property(lambda self: self.engine.comm)
+    strategy = property(lambda self: self.engine.strategy)
+    zero_stage = property(lambda self: self.engine.zero_stage)
+    last_grad_norm = property(lambda self: self.engine.last_grad_norm)
+    last_step_skipped = property(lambda self: self.engine.last_step_skipped)
+    _trainable = property(lambda self: self.engine.trainable)
+
+    def add_param_group(self, param_group):
+        if not self._constructing:
+            raise NotImplementedError("ZeroOptimizer.add_param_group after construction is not supported: its "
+                                      "params would need new buckets on every rank. Build it with all param groups")
+        super().add_param_group(param_group)
+
+    @torch.compiler.disable
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale = getattr(self, "grad_scale", None)
+        had, skip = self.engine.begin_step(getattr(self, "found_inf", None), grad_scale)
+        if not skip and any(had):
+            divisor = self.engine.grad_divisor(grad_scale, had, self.max_grad_norm)
+            self._update(had, divisor)
+            self.engine.gather_updated()
+        self.engine.end_step(had, skip)
+        return loss
+
+    def _update(self, had, divisor):
+        stores = self.engine.stores
+        grads = []
+        for store in stores:
+            if not store.master_valid:
+                store.refresh_master()
+            master, grad, _ = store.operands()
+            # a copy: the reduced grad can be what .grad shows (stage 0) and must not change under it
+            g = grad.to(torch.float32, copy=True)
+            if divisor is not None:
+                g.div_(divisor.to(g.device))
+            grads.append(g)
+        for t, piece in self._piece.items():
+            s, off, n, _ = self._where[t]
+            piece.grad = grads[s][off:off + n] if had[t] else None
+        for gi, inner in zip(self._inner_groups, self.inner.param_groups):  # lr schedulers change the outer ones
+            inner.update({k: v for k, v in self.param_groups[gi].items() if k not in ("params", "param_names")})
+        self.inner.step()
+        for piece in self._piece.values():
+            piece.grad = None
+        for store in stores:
+            _, _, model = store.operands()
+            if model is not None:  # fp16/bf16 params (or an offloaded copy): round the new masters to nearest
+                model.copy_(store.master)
+
+    # --- state dicts ----------------------------------------------------------
+
+    def _sync_state(self):
+        """self.state[p] is the inner optimizer's state of p's piece (the same dict)."""
+        for t, p in enumerate(self.engine.trainable):
+            if t in self._piece and self._piece[t] in self.inner.state:
+                self.state[p] = self.inner.state[self._piece[t]]
+
+    def state_dict(self):
+        """This rank's pieces' state, keyed by param index as torch.optim's; piece-sized tensors are
+        marked as slices of the flattened param where the state is sharded (DCP re-shards them)."""
+        self.engine.finish_param_gather()
+        self._sync_state()
+        sd = torch.optim.Optimizer.state_dict(self)
+        index = {p: k for k, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        for t, p in enumerate(self.engine.trainable):
+            w, st = self._where[t], sd["state"].get(index[p])
+            if w is None or st is None or not self.strategy.shards_state:
+                continue
+            _, _, n, start = w
+            numel = self._numel(t)
+            for key, v in st.items():
+                if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == n:
+                    checkpoint.mark_slice(v, start, n, numel)
+        return sd
+
+    def _shape(self, t):
+        """The full shape of trainable param t (at stage 3 p.shape is empty between gathers)."""
+        s = self._where[t][0]
+        k = next(k for k, pc in enumerate(self.engine.pieces[s]) if pc[0] == t)
+        return self.engine.param_of(self.engine.stores[s], k)[2]
+
+    def _numel(self, t):
+        return self._shape(t).numel()
+
+    def load_state_dict(self, state_dict):
+        """A dict from state_dict() (this rank's, or re-sharded by DCP), or one with whole tensors
+        (the same torch optimizer on one process): each piece takes its slice."""
+        self.engine.finish_param_gather()
+        params = [p for g in self.param_groups for p in g["params"]]
+        index = {p: k for k, p in enumerate(params)}
+        inner_state = {}
+        for t, p in enumerate(self.engine.trainable):
+            st = state_dict["state"].get(index[p])
+            if st is None or t not in self._piece:
+                continue
+            _, _, n, start = self._where[t]
+            numel, out = self._numel(t), {}
+            for key, v in st.items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    where = checkpoint._slice_of(v)
+                    if where is not None and where != (start, n, numel):
+                        raise ValueError(f"ZeroOptimizer: state[{index[p]}]['{key}'] is the slice {where[:2]} of "
+                                         f"{where[2]} elements, but this rank holds [{start}, {start + n}) of "
+                                         f"{numel}; load a dict saved at this world size, or re-shard with DCP")
+                    if where is None and v.numel() == numel and v.numel() != n:
+                        if tuple(v.shape) != tuple(self._shape(t)):
+                            raise ValueError(f"ZeroOptimizer: state[{index[p]}]['{key}'] has shape "
+                                             f"{list(v.shape)}, param {index[p]} has {list(self._shape(t))}")
+                        v = v.reshape(-1)[start:start + n]
+                    elif v.numel() != n:
+                        raise ValueError(f"ZeroOptimizer: state[{index[p]}]['{key}'] has {v.numel()} elements; "
+                                         f"param {index[p]} has {numel} and this rank's slice {n}")
+                    v = v.reshape(-1)
+                # a copy: the inner optimizer updates its state in place, and must not write into the
+                # caller's dict (or share a step counter with the optimizer it came from)
+                out[key] = v.clone() if isinstance(v, torch.Tensor) else v
+            inner_state[self._inner_index[t]] = out
+        groups = [{**{k: v for k, v in state_dict["param_groups"][gi].items() if k not in ("params", "param_names")},
+                   "params": [self._inner_index[t] for t in ts]} for gi, ts in zip(self._inner_groups, self._inner_ts)]
+        if not groups:
+            groups = [{**self.inner.param_groups[0], "params": [0]}]
+        for gi, saved in enumerate(state_dict["param_groups"]):
+            self.param_groups[gi].update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
+        self.inner.load_state_dict({"state": inner_state, "param_groups": groups})
+        self._sync_state()
+
+    # --- the engine's, as torch.optim users call them ----------------------------
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.engine.zero_grad(set_to_none)
+
+    def no_sync(self):
+        return self.engine.no_sync()
+
+    def clip_grad_norm_(self, max_norm, norm_type=2.0):
+        return self.engine.clip_grad_norm_(max_norm, norm_type)
+
+    def share_found_inf(self, found_inf_per_device):
+        self.engine.share_found_inf(found_inf_per_device)
+
+    def finish_param_gather(self):
+        self.engine.finish_param_gather()
+
+    def memory_report(self):
+        rep = self.engine.memory_report()
+        inner = sum(v.numel() * v.element_size() for st in self.inner.state.values() for v in st.values()
+                    if isinstance(v, torch.Tensor))
+        rep["adam_state"] += inner  # the inner optimizer's state
+        rep["total"] += inner
+        return rep

@@ -124,3 +124,50 @@ def test_named_parameters_name_params_in_errors_and_round_trip():
     model.to(torch.bfloat16)
     with pytest.raises(RuntimeError, match=r"zerokern: 1\.bias is now torch.bfloat16"):
         opt.zero_grad()
+
+
+def test_a_transposed_state_tensor_is_refused_as_torch_does():
+    """opt.load_state_dict with exp_avg of the same numel but another shape: an error, as torch's."""
+    model = nn.Linear(4, 6)
+    opt = FusedZeroAdam(model.parameters(), lr=1e-2)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    full = opt.full_state_dict()
+    opt.load_state_dict(full)  # its own full dict loads
+    full["state"][0]["exp_avg"] = full["state"][0]["exp_avg"].t().contiguous()
+    with pytest.raises(ValueError, match=r"state\[0\]\['exp_avg'\] has shape \[4, 6\], but param 0 has shape \[6, 4\]"):
+        opt.load_state_dict(full)
+
+
+def test_rolling_back_in_place_into_the_state_dict_is_what_the_update_uses():
+    """dcp.load's pattern without opt.load_state_dict(): values copied into opt.state_dict()'s own
+    tensors (step included) are what the next update uses, as with torch AdamW."""
+    import copy
+
+    def run(make):
+        torch.manual_seed(3)
+        model = nn.Linear(4, 3)
+        opt = make(model.parameters())
+        xs = [torch.randn(5, 4) for _ in range(6)]
+
+        def step(x):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+        for x in xs[:3]:
+            step(x)
+        snap, weights = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
+        for x in xs[3:5]:
+            step(x)
+        live = opt.state_dict()
+        for k, st in snap["state"].items():  # in place, as dcp.load fills the tensors it is given
+            for key, v in st.items():
+                live["state"][k][key].copy_(v)
+        model.load_state_dict(weights)
+        step(xs[5])
+        return [p.detach().clone() for p in model.parameters()], int(live["state"][0]["step"])
+
+    ours, step_ours = run(lambda ps: FusedZeroAdam(ps, lr=1e-2, weight_decay=0.1))
+    theirs, step_theirs = run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1))
+    assert step_ours == step_theirs == 4
+    assert max((a - b).abs().max().item() for a, b in zip(ours, theirs)) < 1e-6

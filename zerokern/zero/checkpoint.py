@@ -194,7 +194,7 @@ def load_state_dict(opt, sd):
     mine_too = (meta is not None and meta.get("rank") == opt.comm.rank and meta.get("slices") == slices
                 and meta.get("world_size") == opt.comm.world_size)
     # the params' own sizes (a stage-3 param is empty between steps)
-    numels = {s.flat.params[i]: s.flat.shapes[i].numel() for s in opt.stores for i in s.bucket.plan.tensors}
+    shapes = {s.flat.params[i]: s.flat.shapes[i] for s in opt.stores for i in s.bucket.plan.tensors}
     copies = []  # (destination, source or None for zeros)
     steps = []
     master_src = {}  # id(master view) -> the slice loaded into it
@@ -205,7 +205,7 @@ def load_state_dict(opt, sd):
         start, n = slices[k]
 
         def part(t, key):
-            return _my_slice(t, numels[p], start, n, k, key, opt.comm.rank, mine_too)
+            return _my_slice(t, shapes[p], start, n, k, key, opt.comm.rank, mine_too)
 
         for key in ("exp_avg", "exp_avg_sq"):
             copies.append((mine[key], part(theirs[key], key) if key in theirs else None))
@@ -233,9 +233,12 @@ def load_state_dict(opt, sd):
         s.master_valid = ok
 
 
-def _my_slice(t, numel, start, n, k, key, rank, mine_too):
-    """This rank's part of a saved state tensor: a whole one (any shape of p's numel) sliced,
+def _my_slice(t, shape, start, n, k, key, rank, mine_too):
+    """This rank's part of a saved state tensor: a whole one (p's shape, or flattened) sliced,
     a marked slice that is exactly this rank's, or an unmarked one from this rank's shard."""
+    numel = shape.numel()
+    if t.dim() > 1 and tuple(t.shape) != tuple(shape):  # same numel, another shape: torch refuses it too
+        raise ValueError(f"state[{k}]['{key}'] has shape {list(t.shape)}, but param {k} has shape {list(shape)}")
     where = _slice_of(t)
     if where is not None and where[2] == numel and where[:2] == (start, n):
         return t.reshape(-1)

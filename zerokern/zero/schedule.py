@@ -43,7 +43,7 @@ class ReduceSchedule:
         # see (torch keeps tensor hooks in C++), keeping every dropped optimizer and its buffers.
         self._after_backward = (weakref.WeakMethod(after_backward) if inspect.ismethod(after_backward)
                                 else (lambda: after_backward))
-        self.owner = None  # a weak reference to the optimizer driving this schedule
+        self.owner = None  # a weak reference to the ZeroEngine driving this schedule
         self.state = BackwardState.IDLE
         self._next = 0  # buckets before this one were launched in the running backward
         self._position = {id(b): k for k, b in enumerate(buckets)}

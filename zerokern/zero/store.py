@@ -1,5 +1,7 @@
-"""ShardStore: the fp32 master weights and Adam state of one bucket's shard on
-this rank, where the unit's OffloadPolicy says they live.
+"""ShardStore: the fp32 master weights and the optimizer's per-element state (Adam's two
+moments; state_keys) of one bucket's shard on this rank, where the unit's OffloadPolicy says
+they live. The protocol an optimizer uses: operands() before its update, finish() after it,
+refresh_master() / master_valid, nbytes(); a store of another precision implements the same.
 
 The optimizer's per-param state (self.state[p]) holds views into these
 tensors, so the store is the one copy. Where the store lives is decided here
@@ -7,7 +9,7 @@ and only here: on the param's device, the fp32 param shard is its own master
 (no copy) and the kernel writes fp16/bf16 params in the same pass; with
 offload, the master is a separate fp32 copy in (pinned) CPU memory, the
 reduced grad is staged to the CPU before the update and the new param shard
-is copied back after it (stage() / finish()).
+is copied back after it (operands() / finish()).
 """
 
 from typing import Optional, Sequence

@@ -181,3 +181,26 @@ def checkpoint_wrapper_full_state_dict(rank, world):
     return {"keys_equal": sorted(plain) == sorted(wrapped),
             "shapes": {k: (tuple(v.shape), tuple(wrapped[k].shape)) for k, v in plain.items() if k in wrapped},
             "equal": sorted(plain) == sorted(wrapped) and all(torch.equal(plain[k], wrapped[k]) for k in plain)}
+
+
+def per_unit_options(rank, world):
+    """Stage 3 with each block's own bucket size and a root that keeps its params gathered from
+    forward to backward (FSDP2's usual root setting): AdamW's numbers."""
+    torch.set_num_threads(1)
+    data = _data(world)
+    ref = Net()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    model = Net()
+    for m, cap in ((model.a, 1e-4), (model.b, 1.0), (model.extra, 1e-4), (model.head, 2.0)):
+        zerokern.shard(m, stage=3, bucket_cap_mb=cap)
+    zerokern.shard(model, stage=3, reshard_after_forward=False)
+    opt = FusedZeroAdam(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for x in data:
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        model(x[rank * 4:(rank + 1) * 4], use_extra=True).backward()
+        ref(x, use_extra=True).backward()
+        opt.step()
+        ref_opt.step()
+    full = zerokern.full_state_dict(model, rank0_only=False)
+    return {"diff": max(abs_diff(full[n], p) for n, p in ref.named_parameters())}

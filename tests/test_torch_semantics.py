@@ -171,3 +171,33 @@ def test_rolling_back_in_place_into_the_state_dict_is_what_the_update_uses():
     theirs, step_theirs = run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1))
     assert step_ours == step_theirs == 4
     assert max((a - b).abs().max().item() for a, b in zip(ours, theirs)) < 1e-6
+
+
+class _Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.register_buffer("mask", torch.tril(torch.ones(4, 4, dtype=torch.bool)))
+
+    def forward(self, x):
+        return self.proj(x).masked_fill(~self.mask, 0.0)
+
+
+def test_meta_init_of_a_bool_buffer_that_init_leaves_unset_is_an_error():
+    """A causal mask registered in __init__ on the meta device has no values; an init= that does
+    not set it would train with an all-False mask (issue 29): shard() names it instead."""
+    with torch.device("meta"):
+        model = _Masked()
+    with pytest.raises(ValueError, match=r"mask is a bool buffer built on the meta device that init"):
+        zerokern.shard(model, stage=3, init=lambda m: m.proj.reset_parameters())
+
+    def init(m):
+        m.proj.reset_parameters()
+        m.mask.copy_(torch.tril(torch.ones(4, 4, dtype=torch.bool)))
+    zerokern.shard(model, stage=3, init=init)
+    assert torch.equal(model.mask, torch.tril(torch.ones(4, 4, dtype=torch.bool)))
+
+
+def test_units_keep_their_own_bucket_size_and_reshard_after_forward():
+    for r in dist_harness.values(dist_harness.run(W.per_unit_options, 2, timeout=120)):
+        assert r["diff"] < 1e-6, r

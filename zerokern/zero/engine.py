@@ -15,6 +15,7 @@ touches buckets, collectives or units itself. docs/DESIGN.md draws the layers.
 """
 
 import contextlib
+import dataclasses
 import hashlib
 import weakref
 
@@ -61,10 +62,13 @@ def owner_of(params):
 def sharding(units, zero_stage, process_group, bucket_cap_mb, overlap_comm, offload, overlap_param_gather):
     """(Comm, ShardConfig) for the params: the units' own, or one from the arguments."""
     if units:
-        configs = {u.config for u in units}
+        # Bucket size and reshard_after_forward are each unit's own (a root often keeps its params
+        # gathered, as FSDP2's reshard_after_forward=False); the rest is one engine's, so alike.
+        configs = {dataclasses.replace(u.config, bucket_cap_mb=1.0, reshard_after_forward=True) for u in units}
         groups = {id(u.comm.group) for u in units}
         if len(configs) > 1 or len(groups) > 1:
-            raise ValueError("zerokern: the params were sharded with different options or process groups: "
+            raise ValueError("zerokern: the params were sharded with different stages, overlap, offload or process "
+                             "groups (only bucket_cap_mb and reshard_after_forward may differ per unit): "
                              + "; ".join(f"{u.name}: {u.config}" for u in units))
         config = units[0].config
         given = {"zero_stage": (zero_stage, config.stage), "bucket_cap_mb": (bucket_cap_mb, config.bucket_cap_mb),

@@ -12,8 +12,10 @@ Initialisation: by default every module in the unit that holds one of its new pa
 buffers runs its own reset_parameters() (nn.Linear, nn.Embedding, nn.LayerNorm... have one);
 `init=fn` replaces that: fn(module) is called under no_grad with the unit's params and buffers
 materialised (params of units inside it are empty by then; writing to them is a no-op). The new
-tensors start as NaN, and one still holding a NaN after initialisation (a param nothing covers,
-a buffer computed in __init__) is an error naming it, never uninitialised memory trained on.
+tensors start as NaN (integers: their largest value), and one still holding it after
+initialisation (a param nothing covers, a buffer computed in __init__) is an error naming it,
+never uninitialised memory trained on; a bool buffer has no such value, so one that init did not
+write or replace (its version counter did not move) is the same error.
 Every rank runs the init, and the unit's values are then broadcast from rank 0 (as DDP's
 construction does), so the ranks need not share a seed.
 
@@ -70,6 +72,7 @@ def materialize(module: torch.nn.Module, device: torch.device, init: Optional[Ca
     undo = []  # (dict, key, the meta tensor it held)
     local = {}  # id(meta param) -> its new Parameter
     taken = {}  # id(param) -> (name, param, version) of params tied to a unit sharded earlier
+    bool_buffers = []  # (name, the buffers dict, key, the new tensor) of bool buffers
     for m in scope:
         where = names.get(id(m), "")
         for name, p in m._parameters.items():
@@ -91,6 +94,8 @@ def materialize(module: torch.nn.Module, device: torch.device, init: Optional[Ca
                 undo.append((m._buffers, name, b))
                 m._buffers[name] = _unset(b, device)
                 fresh[id(m._buffers[name])] = (f"{where}.{name}".lstrip("."), m._buffers[name], None)
+                if b.dtype == torch.bool:  # no value marks a bool unset: its version counter must move
+                    bool_buffers.append((f"{where}.{name}".lstrip("."), m._buffers, name, m._buffers[name]))
                 owners.add(id(m))
     if not fresh:
         return
@@ -101,6 +106,7 @@ def materialize(module: torch.nn.Module, device: torch.device, init: Optional[Ca
                 f"zerokern.shard: {bools[0]} is a bool tensor built on the meta device, whose values (a mask "
                 "computed in __init__) no reset_parameters() restores; pass init=fn to zerokern.shard and set it "
                 "there, or register it after shard()")
+        versions = [t._version for _, _, _, t in bool_buffers]
         with torch.no_grad():
             if init is not None:
                 init(module)
@@ -117,6 +123,12 @@ def materialize(module: torch.nn.Module, device: torch.device, init: Optional[Ca
                     f"zerokern.shard: {name} is tied to a param of a unit sharded earlier, which initialised it; "
                     "this unit's init wrote to it, which does nothing (it is sharded there): initialise it in the "
                     "init of the unit sharded first")
+        for (name, d, key, t), version in zip(bool_buffers, versions):
+            if d.get(key) is t and t._version == version:  # neither written nor replaced by init
+                raise ValueError(
+                    f"zerokern.shard: {name} is a bool buffer built on the meta device that init(module) did not "
+                    "set (a mask computed in __init__ has no values on meta): set it in init=fn (e.g. "
+                    "module.mask.copy_(torch.tril(...))), or register it after shard()")
         for name, t, _ in fresh.values():
             if _untouched(t):
                 raise ValueError(

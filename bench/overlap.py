@@ -149,7 +149,7 @@ def build(args, overlap, gather, link):
     opt = FusedZeroAdam(model.parameters(), lr=1e-4)
     sim = SimComm(opt.comm, link)
     # everything that holds the Comm
-    for obj in [opt, opt.schedule, opt.param_gather] + opt.schedule.buckets + opt.units:
+    for obj in [opt.engine, opt.schedule, opt.param_gather] + opt.schedule.buckets + opt.units:
         obj.comm = sim
     if opt.stage3 is not None:
         opt.stage3.prefetch = gather

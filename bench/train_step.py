@@ -213,9 +213,9 @@ def available(kinds):
 
 def collectives(rank, world, numel, rounds):
     """Seconds of gloo's collectives on a buffer of `numel` fp32 elements."""
-    from zerokern.zero.comm import Comm
+    from zerokern.zero.comm import make_comm
 
-    comm = Comm()
+    comm = make_comm()
     full = torch.randn(numel)
     shard = torch.empty(numel // world)
     gathered = torch.randn(shard.numel() * world)
@@ -223,7 +223,7 @@ def collectives(rank, world, numel, rounds):
     fns = {"all_reduce": lambda: dist.all_reduce(full),
            "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full[:shard.numel() * world]),
            "all_gather": lambda: dist.all_gather_into_tensor(full[:shard.numel() * world], shard),
-           # what zerokern does on gloo ([Note: the collective for the backend] in zerokern/zero/comm.py)
+           # what zerokern does on gloo ([Note: the collective for the backend] in zerokern/zero/gloo_comm.py)
            "all_gather_as_broadcasts": lambda: comm.wait(comm.all_gather(gathered, gathered[own])),
            "reduce_scatter_as_exchange" if world == 2 else "reduce_scatter_zerokern":
                lambda: comm.wait(comm.reduce_scatter(shard, full[:shard.numel() * world]))}

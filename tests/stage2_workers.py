@@ -176,9 +176,9 @@ def gather_bits(rank, world):
     torch's all_gather_into_tensor, bit for bit: -0.0, NaN payloads, infs, subnormals, randoms."""
     import torch.distributed as dist
 
-    from zerokern.zero.comm import Comm
+    from zerokern.zero.comm import make_comm
 
-    comm = Comm()
+    comm = make_comm()
     probe = torch.empty(4 * world)
     out = {"by_broadcast": comm._gathers_by_broadcast(probe, probe[4 * rank:4 * (rank + 1)])}
     for dtype, bits in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16)):
@@ -203,9 +203,9 @@ def exchange_bits(rank, world):
     reduce_scatter_tensor, bit for bit, with the input left as it was."""
     import torch.distributed as dist
 
-    from zerokern.zero.comm import Comm
+    from zerokern.zero.comm import make_comm
 
-    comm = Comm()
+    comm = make_comm()
     out = {"exchanged": comm.exchange_reduce, "input_kept": True}
     for dtype in (torch.float32, torch.bfloat16):
         g = torch.Generator().manual_seed(rank)

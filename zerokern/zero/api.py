@@ -25,7 +25,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import ddp_guard
 from . import model_state
-from .comm import Comm
+from .comm import Comm, make_comm
 from .materialize import in_scope, materialize
 from .stage3 import runtime_for
 from .stage import OffloadPolicy, ParamMode, ShardConfig
@@ -111,7 +111,7 @@ def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket
                          reshard_after_forward=reshard_after_forward)
     if init is not None and not callable(init):
         raise TypeError(f"init must be a callable taking the module, got {type(init).__name__}")
-    comm = Comm(process_group)
+    comm = make_comm(process_group)
     strategy = config.strategy(comm.world_size)
     if strategy.materializes_meta:
         if device is None:

@@ -13,7 +13,6 @@ stream is the "side stream" that overlaps reductions with the rest of
 backward. On CPUs, gloo runs them on its own threads and wait() blocks.
 """
 
-import itertools
 import os
 import time
 from contextlib import nullcontext
@@ -39,42 +38,6 @@ class _Done:
         return True
 
 
-class _AllOf:
-    """Several collectives that together make one (the broadcasts of a gather)."""
-
-    def __init__(self, works):
-        self.works = works
-
-    def wait(self):
-        for w in self.works:
-            w.wait()
-        return True
-
-    def is_completed(self):
-        return all(w.is_completed() for w in self.works)
-
-
-class _SumOnWait:
-    """The exchange of a 2-rank reduce-scatter: when it is waited for, this rank's own part is
-    added to the peer's part that arrived in `output`."""
-
-    def __init__(self, works, output, own):
-        self.works, self.output, self.own = works, output, own
-
-    def wait(self):
-        for w in self.works:
-            w.wait()
-        self.output.add_(self.own)
-        self.works = []
-        return True
-
-
-# p2p tags, one counter per process group: the members of a group issue the same collectives on
-# it in the same order ([Note: one collective order]), so both sides of an exchange get the same
-# tag, also where a rank belongs to several groups.
-_TAGS = {}
-
-
 def _check_launched_alone():
     """No process group: one process. A launcher that started several (torchrun's WORLD_SIZE)
     means the group is not made yet, and going on would train each rank on its own, silently
@@ -89,6 +52,14 @@ def _check_launched_alone():
 
 
 class Comm:
+    """torch.distributed's collectives over one group, labelled, async, with agreement helpers.
+    make_comm() picks the subclass for the group's backend (gloo_comm.GlooComm)."""
+
+    # [Note: the collective for the backend] (gloo_comm.py): what a backend does fastest
+    exchange_reduce = False  # a 2-rank reduce-scatter as an exchange of halves
+    prefers_all_reduce = False  # a scratch bucket all-reduced (then this rank's range read)
+    broadcast_gather = False  # an all-gather of own slices as one broadcast per rank
+
     def __init__(self, process_group=None):
         if process_group is None and dist.is_available() and dist.is_initialized():
             process_group = dist.group.WORLD
@@ -98,17 +69,6 @@ class Comm:
         self.world_size = dist.get_world_size(process_group) if process_group is not None else 1
         self.rank = dist.get_rank(process_group) if process_group is not None else 0
         self.wait_seconds = 0.0  # host time spent waiting on collectives (bench/overlap.py reads it)
-        # [Note: the collective for the backend] per backend, the fastest way to move the same
-        # bytes (17M floats, 2 gloo ranks, bench/train_step.py --collectives): gloo's reduce-scatter
-        # takes 97 ms and its all-reduce 60 ms, so on more than 2 ranks a stage-2 bucket (whose input
-        # is scratch) is all-reduced; on 2 ranks every reduce-scatter is an exchange of halves, 38 ms
-        # ([Note: reduce-scatter as an exchange]; tests set exchange_reduce False to force torch's).
-        # gloo's all-gathers become one broadcast per rank ([Note: gather as broadcasts]). NCCL keeps
-        # reduce-scatter and all-gather, which move the fewest bytes.
-        gloo = self.distributed and dist.get_backend(process_group) == "gloo"
-        self.exchange_reduce = gloo and self.world_size == 2
-        self.prefers_all_reduce = gloo and not self.exchange_reduce
-        self.broadcast_gather = gloo
         if self.distributed:
             exit_drain.register()  # [Note: exit drain]
 
@@ -132,22 +92,7 @@ class Comm:
                 output.copy_(input)
             return _Done()
         with self._label(name):
-            if self.exchange_reduce and output.is_contiguous():
-                return self._exchange(output, input)
             return _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-
-    def _exchange(self, output, input):
-        """[Note: reduce-scatter as an exchange] On 2 gloo ranks, reduce_scatter_tensor takes 97 ms
-        for 17M floats and all_reduce 60 ms, but sending the peer its half and receiving ours
-        (then one add) 38 ms (bench/train_step.py --collectives): each rank moves half the
-        buffer once, the fewest bytes any reduce-scatter moves. The input is only read. The sum
-        of two values does not depend on their order, so both ranks' results are what an
-        all-reduce would give."""
-        n, peer = output.numel(), 1 - self.rank
-        tag = next(_TAGS.setdefault(self.group, itertools.count())) % (1 << 30)
-        works = [dist.isend(input[peer * n:(peer + 1) * n], self._global_rank(peer), group=self.group, tag=tag),
-                 dist.irecv(output, self._global_rank(peer), group=self.group, tag=tag)]
-        return _SumOnWait(works, output, input[self.rank * n:(self.rank + 1) * n])
 
     def all_reduce(self, tensor, op=dist.ReduceOp.SUM, name="all_reduce"):
         if not self.distributed:
@@ -160,21 +105,7 @@ class Comm:
         if not self.distributed:
             return _Done()
         with self._label(name):
-            if self._gathers_by_broadcast(output, input):
-                n = input.numel()
-                return _AllOf([dist.broadcast(output[r * n:(r + 1) * n], src=self._global_rank(r), group=self.group,
-                                              async_op=True) for r in range(self.world_size)])
             return _all_gather(output, input, group=self.group, async_op=True)
-
-    def _gathers_by_broadcast(self, output, input):
-        """[Note: gather as broadcasts] gloo's all_gather_into_tensor is about three times as slow
-        as one broadcast per rank of its own slice (81 ms vs 27 ms for 17M floats on 2 ranks,
-        bench/train_step.py --collectives), which moves the same bytes. Where `input` is this
-        rank's own slice of `output` (the param buffers after the update), gloo gathers that way;
-        a broadcast copies bytes, so the result is exact. NCCL keeps its all-gather."""
-        n = input.numel()
-        return (self.broadcast_gather and output.numel() == n * self.world_size and output.is_contiguous()
-                and input.data_ptr() == output.data_ptr() + self.rank * n * output.element_size())
 
     def _global_rank(self, group_rank):
         return dist.get_global_rank(self.group, group_rank) if self.group is not dist.group.WORLD else group_rank
@@ -229,3 +160,13 @@ class Comm:
         with self._label("gather_objects"):
             dist.all_gather_object(out, obj, group=self.group)
         return out
+
+
+def make_comm(process_group=None) -> Comm:
+    """The Comm for `process_group` (None: the default group if there is one, else one process),
+    with the collectives its backend does fastest."""
+    comm = Comm(process_group)
+    if comm.distributed and dist.get_backend(comm.group) == "gloo":
+        from .gloo_comm import GlooComm
+        return GlooComm(comm.group)
+    return comm

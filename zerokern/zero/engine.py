@@ -25,7 +25,7 @@ from . import ddp_guard
 from .api import make_unit, unit_of
 from .param_gather import ParamGather
 from .schedule import ReduceSchedule
-from .comm import Comm
+from .comm import make_comm
 from .stage import GradMode, ParamMode, ShardConfig, optimizer_stage
 from .stage3 import runtime_for
 from .store import ShardStore
@@ -82,7 +82,7 @@ def sharding(units, zero_stage, process_group, bucket_cap_mb, overlap_comm, offl
             raise ValueError("zerokern: FusedZeroAdam got another process_group than zerokern.shard(); pass it "
                              "to shard() only")
         return units[0].comm, config
-    comm = Comm(process_group)
+    comm = make_comm(process_group)
     stage = optimizer_stage(zero_stage, comm.world_size)
     return comm, ShardConfig(stage, 25.0 if bucket_cap_mb is None else bucket_cap_mb,
                              True if overlap_comm is None else overlap_comm, offload,

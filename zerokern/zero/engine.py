@@ -473,12 +473,10 @@ class ZeroEngine:
                 "zerokern.GradScaler so their inf checks agree")
         if found_inf is not None and (inf_max > 0) != (inf_min > 0):
             raise RuntimeError(
-                "zerokern: GradScaler found an inf/nan in the local gradients of some ranks only, so the ranks' "
-                "scalers would back off differently and scale the next gradients differently. This happens when "
-                "the backward before scaler.step() ran under no_sync() (the reduction then happens in step(), "
-                "after the scalers looked), or when a GradScaler first steps after steps without one. Use "
-                "zerokern.GradScaler (a torch.amp.GradScaler whose inf check "
-                "agrees across ranks), or run the last backward before each step synced")
+                "zerokern: GradScaler found an inf/nan in the local gradients of some ranks only, so their scales "
+                "would drift apart (the last backward ran under no_sync(), or a scaler first stepped after steps "
+                "without one). Use zerokern.GradScaler, whose inf check agrees across ranks, or run the last "
+                "backward before each step synced")
         return [v > 0 for v in values[:n]], [v > 0 for v in values[n:n + m]], inf_max > 0
 
     def _raise_stale(self, buckets):
@@ -496,14 +494,10 @@ class ZeroEngine:
         shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
         raise RuntimeError(
             f"zerokern: the gradients of {shown} were changed in place between backward and step() (on some "
-            f"rank). At zero_stage={self.zero_stage} with {self.comm.world_size} ranks .grad holds each rank's "
-            "local gradient (the averaged one is sharded), so an edit there, such as "
-            "torch.nn.utils.clip_grad_norm_ clipping each rank by its own norm, would not give DDP's numbers. "
-            "Clip with opt.clip_grad_norm_(max_norm) or FusedZeroAdam(max_grad_norm=...); mask or scale grads "
-            "in a hook (p.register_hook) or through the loss; or use zero_stage=0, where .grad holds the "
-            "averaged gradient as under DDP. If the model is wrapped in DistributedDataParallel, DDP wrote "
-            "its all-reduce into the grads: do not wrap it (HF Trainer: zerokern.integrations.hf.ZeroTrainer; "
-            "Accelerate: zerokern.integrations.accelerate.attach)")
+            f"rank). At zero_stage={self.zero_stage} on {self.comm.world_size} ranks .grad holds the local, "
+            "unreduced gradient, so such an edit (e.g. torch's clip_grad_norm_) would not give DDP's numbers. "
+            "Clip with opt.clip_grad_norm_ or max_grad_norm=, edit grads in a hook (p.register_hook), or use "
+            "zero_stage=0, where .grad is the averaged gradient")
 
     def grad_divisor(self, grad_scale, had, max_grad_norm):
         """The divisor of the reduced grads: the loss scale, times the clip factor."""

@@ -145,11 +145,9 @@ class HandedOut:
             if t is not None and t._version != v:
                 raise RuntimeError(
                     f"zerokern: the state_dict() entry '{name}' of a stage-3 model (unit '{unit_name}') was "
-                    "written into but never loaded into the model: at stage 3 state_dict() gives copies of "
-                    "each rank's slices, so the model still holds its old weights. After dcp.load, call "
-                    "model.load_state_dict(sd) (or torch's set_model_state_dict), as FSDP's checkpoint "
-                    "recipes do. If the dict is yours to change (an EMA, an export), change a copy: "
-                    "{k: v.clone() for k, v in sd.items()} (or copy.deepcopy, which keeps the DCP marks)")
+                    "written into but never loaded into the model (at stage 3 state_dict() gives copies of each "
+                    "rank's slices). After dcp.load, call model.load_state_dict(sd); to change the dict itself "
+                    "(an EMA, an export), change a copy ({k: v.clone() for k, v in sd.items()})")
 
 
 def load_param(flat, i: int, value, name: str) -> Optional[str]:

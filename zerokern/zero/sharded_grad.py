@@ -109,13 +109,11 @@ class ShardedGrad(torch.Tensor):
                 f"({culprit.kind}). Read gradients between backward and step() through opt.clip_grad_norm_ "
                 "or a hook (p.register_hook), or use zero_stage=1, which keeps them")
         raise RuntimeError(
-            f"zerokern: {func.__name__} on the gradient of {culprit.param_name}: at zero_stage=2 and 3 the averaged gradient "
-            "is sharded inside the optimizer once backward has reduced it, and .grad is a placeholder without "
-            "values (the full buffer was freed: that is stage 2's memory saving). Clip with "
-            "opt.clip_grad_norm_(max_norm) or FusedZeroAdam(max_grad_norm=...) (its return value and "
-            "opt.last_grad_norm give the norm; ZeroTrainer and integrations.accelerate.attach use it), scale or "
-            "mask gradients in a hook (p.register_hook) or through the loss, or use zero_stage=1, where .grad "
-            "keeps this rank's local gradient")
+            f"zerokern: {func.__name__} on the gradient of {culprit.param_name}: at zero_stage=2 and 3 .grad is a "
+            "placeholder without values once backward has reduced it (the averaged gradient is sharded inside "
+            "the optimizer). Clip with opt.clip_grad_norm_(max_norm) or max_grad_norm= (opt.last_grad_norm "
+            "gives the norm), edit grads in a hook (p.register_hook), or use zero_stage=1, where .grad keeps "
+            "this rank's local gradient")
 
 
 def _flat(args, kwargs):

@@ -35,12 +35,12 @@ def time_one(fn, device):
     return time.perf_counter() - t0
 
 
-def interleaved(fns, device, rounds, warmup=1, progress=None, time_limit_s=None, min_rounds=1):
+def interleaved(fns, device, rounds, warmup=1, progress=None, time_limit_s=None, min_rounds=1, fn_limit_s=None):
     """{name: [seconds per call]}: `rounds` rounds, each calling every fn once;
     the order rotates per round so no implementation always runs first.
-    time_limit_s: start no new round after this many seconds once min_rounds are done, and
-    call no more an fn whose calls alone took that long (it keeps the samples it has): a
-    loaded machine gets fewer rounds instead of a run that never ends."""
+    time_limit_s: start no new round after this many seconds once min_rounds are done.
+    fn_limit_s: call no more an fn whose calls alone took this long (it keeps the samples it
+    has). With both, a loaded machine gets fewer rounds instead of a run that never ends."""
     names = list(fns)
     for _ in range(warmup):
         for name in names:
@@ -49,10 +49,10 @@ def interleaved(fns, device, rounds, warmup=1, progress=None, time_limit_s=None,
     times = {name: [] for name in names}
     t0 = time.perf_counter()
     for r in range(rounds):
-        if time_limit_s is not None:
-            if r >= min_rounds and time.perf_counter() - t0 > time_limit_s:
-                break
-            names = [n for n in names if sum(times[n]) <= time_limit_s]
+        if time_limit_s is not None and r >= min_rounds and time.perf_counter() - t0 > time_limit_s:
+            break
+        if fn_limit_s is not None:
+            names = [n for n in names if sum(times[n]) <= fn_limit_s]
             if not names:
                 break
         shift = r % len(names)
@@ -170,11 +170,15 @@ def machine_info(device):
 def cpu_caches():
     """{"L1d": bytes, "L2": bytes, "L3": bytes} of CPU 0 (per instance; the L3 is usually shared by
     all cores), from Linux sysfs; {} elsewhere."""
+    def read(path):
+        with open(path) as f:
+            return f.read().strip()
+
     out = {}
     for d in sorted(glob.glob("/sys/devices/system/cpu/cpu0/cache/index*")):
         try:
-            level, kind, size = (open(os.path.join(d, f)).read().strip() for f in ("level", "type", "size"))
-        except OSError:
+            level, kind, size = (read(os.path.join(d, f)) for f in ("level", "type", "size"))
+        except (OSError, ValueError):
             continue
         if kind == "Instruction":
             continue
@@ -272,7 +276,8 @@ def plot(path, rows, x, y, series, panels, xlabel, ylabel, title, ncols=3, style
     present_series = {r[series] for r in rows}
     names = [n for n in (styles or {}) if n in present_series] + sorted(present_series - set(styles or {}))
     cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    free = iter([c for c in cycle if c not in {st.get("color") for st in (styles or {}).values()}] * 3)
+    taken = {matplotlib.colors.to_hex(st["color"]) for st in (styles or {}).values() if "color" in st}
+    free = iter([c for c in cycle if matplotlib.colors.to_hex(c) not in taken] * 3)
     style = {n: dict((styles or {}).get(n) or {"color": next(free)}) for n in names}
     for ax, key in zip(axes.flat, keys):
         sub = [r for r in rows if r[panels] == key]

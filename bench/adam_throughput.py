@@ -1,6 +1,6 @@
 """zerokern's fused Adam against its peers, on whatever this machine has.
 
-    python bench/adam_throughput.py                      # the demo: about 2 minutes on a 2-core CPU
+    python bench/adam_throughput.py                      # the demo: about a minute on a 2-core CPU
     python bench/adam_throughput.py --full               # the long sweep: up to 1e8 params on CPU, with DeepSpeed
     python bench/adam_throughput.py --deepspeed          # also DeepSpeed's CPUAdam / FusedAdam (JIT-built C++)
     python bench/adam_throughput.py --json out.json --plot out.png
@@ -29,8 +29,9 @@ beside it on both.
 
 Notes on a row: "noisy" when p75/p25 > 1.3 (NOISY_SPREAD), "over roof" when
 %roof > 100, "busy" when other processes used > 0.25 CPUs during the case
-(BUSY_CPUS), "few rounds" when it was timed fewer than 5 times (a case stops
-after 2x --budget of timing); the run ends with a footnote on what each means.
+(BUSY_CPUS), "few rounds" when it was timed fewer than 5 times (an
+implementation whose calls alone take 2x --budget is left out of later rounds);
+the run ends with a footnote on what each means.
 
 JSON (--json): {"machine", "results": [one object per implementation and case],
 "settings", "notes"}. Result keys as before (precision, layout, params, tensors,
@@ -67,8 +68,9 @@ PRECISIONS, LAYOUTS = ("fp32", "mixed"), ("flat", "layers", "many")
 # bench/results/adam_throughput_cpu_2core_2026-11-30 (a quiet CI machine) the median row had 1.07
 # and 9 rows in 10 stayed under 1.22; on a loaded machine rows reach 2 to 50.
 NOISY_SPREAD = 1.3
-# Rounds per case (--budget sets more, up to 30): fewer marks a row "few rounds" (see run_case).
-MIN_ROUNDS = 5
+# Rounds per case: as many as fit in --budget seconds, within these (see run_case). A row with
+# fewer than MIN_ROUNDS is marked "few rounds".
+MIN_ROUNDS, MAX_ROUNDS = 5, 30
 # Other processes (plus hypervisor steal) using more than this many CPUs while a case is timed
 # mark its rows "busy": a stall that hits every round alike slows a row without widening its spread.
 BUSY_CPUS = 0.25
@@ -292,15 +294,15 @@ class Reference:
 
 def validate_and_build(case, impls):
     """{name: step fn} for every implementation that builds and matches the reference after its
-    first step (which also allocates its optimizer state); the others go to `problems`. Also the
-    seconds those first steps took together: an upper bound on one round, to choose the rounds."""
+    first step (which also allocates its optimizer state); the others go to `problems`."""
     ref = Reference(case)
-    fns, errs, problems, first_s = {}, {}, [], {}
+    fns, errs, problems = {}, {}, []
     for name, factory in impls.items():
         ref.restore(case)
         try:
             fn = factory()
-            first_s[name] = H.time_one(fn, case.device)
+            fn()
+            H.sync(case.device)
         except Exception as e:  # a peer that cannot run here is reported, not fatal
             problems.append(f"{name}: skipped ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
             continue
@@ -313,25 +315,26 @@ def validate_and_build(case, impls):
                 continue
         fns[name] = fn
     del ref
-    return fns, errs, problems, sum(first_s[name] for name in fns)
+    return fns, errs, problems
 
 
 def run_case(precision, layout, n, device, budget_s, rounds, with_reference, deepspeed_cls, table):
     load, case_t0 = H.OtherLoad(), time.perf_counter()  # the whole case: validation's stalls count too
     case = Case(precision, layout, n, device)
-    fns, errs, problems, first_round_s = validate_and_build(
-        case, implementations(case, device, with_reference, deepspeed_cls))
+    fns, errs, problems = validate_and_build(case, implementations(case, device, with_reference, deepspeed_cls))
     fns["copy"] = copy_impl(case, device)
-    first_round_s += H.time_one(fns["copy"], device)
-    # Validation ran every implementation once, allocating its state: that was the warm-up, and
-    # its times (first calls, so if anything slow) set the rounds: 5 to 30 in about budget_s.
-    nrounds = rounds or max(MIN_ROUNDS, min(30, int(budget_s / max(first_round_s, 1e-6))))
+    fns["copy"]()
+    # Validation ran every implementation once, allocating its state: that was the warm-up. Then
+    # rounds until budget_s has passed (5 to 30 of them); an implementation whose calls alone
+    # take 2 x budget_s (a busy machine) is left out of later rounds rather than let the case
+    # run on.
     t0 = time.perf_counter()
-    # When the machine gets busier, rounds slow down: cap the case's time (at least 5 rounds, enough
-    # for quartiles, except for an implementation whose calls alone pass the cap) rather than let
-    # it run on.
-    times = H.interleaved(fns, device, nrounds, warmup=0, time_limit_s=None if rounds else 2 * budget_s,
-                          min_rounds=MIN_ROUNDS)
+    if rounds:
+        times = H.interleaved(fns, device, rounds, warmup=0)
+    else:
+        times = H.interleaved(fns, device, MAX_ROUNDS, warmup=0, time_limit_s=budget_s, min_rounds=MIN_ROUNDS,
+                              fn_limit_s=2 * budget_s)
+    nrounds = rounds or MIN_ROUNDS
     took = time.perf_counter() - t0
     others, steal = load.cpus()
     # /proc/stat counts in 10 ms ticks: too coarse to judge a window much under 0.2 s (--quick).
@@ -446,12 +449,12 @@ def main(argv=None):
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--threads", type=int, help="CPU threads (torch.set_num_threads)")
     ap.add_argument("--budget", type=float, default=2.0,
-                    help="seconds of timing per case (sets the rounds, 5 to 30; a loaded machine stops at 2x this)")
+                    help="seconds of timing per case: rounds until it has passed, 5 to 30 of them")
     ap.add_argument("--rounds", type=int, help="fixed number of interleaved rounds instead of --budget")
     ap.add_argument("--with-reference", action="store_true", help="also time zerokern's plain-torch backend")
     ap.add_argument("--full", action="store_true",
                     help="the long sweep on CPU: sizes up to 1e8, DeepSpeed included unless --no-deepspeed "
-                         "(about 5 minutes on an idle 2-core CPU, much longer on a loaded one)")
+                         "(a few minutes on an idle 2-core CPU, ~10 on a busy one)")
     ap.add_argument("--deepspeed", action=argparse.BooleanOptionalAction, default=None,
                     help="time DeepSpeed's CPUAdam (FusedAdam on GPU), whose first use JIT-builds C++ "
                          "(default: only with --full)")

@@ -204,3 +204,17 @@ def per_unit_options(rank, world):
         ref_opt.step()
     full = zerokern.full_state_dict(model, rank0_only=False)
     return {"diff": max(abs_diff(full[n], p) for n, p in ref.named_parameters())}
+
+
+def stage3_cast_after_building(rank, world):
+    """model.to(bf16) after the optimizer at stage 3 (it casts only the empty placeholders): zerokern's
+    error naming the param at the next gather, not a silent fp32 run or torch's dtype mismatch."""
+    torch.set_num_threads(1)
+    model, opt = _build(3, world)
+    model.to(torch.bfloat16)
+    try:
+        model(_data(world)[0][rank * 4:(rank + 1) * 4], use_extra=True).float().backward()
+        opt.step()
+    except RuntimeError as e:
+        return {"error": str(e)}
+    return {"error": None, "dtypes": sorted({str(p.dtype) for p in model.parameters()})}

@@ -1,6 +1,8 @@
 """What torch.optim users rely on, at every stage (issues 25, 26, 30): 2 gloo ranks against
 torch.optim.AdamW on one process over the full batch, and one-process checks."""
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -30,6 +32,8 @@ def test_no_zero_grad_accumulates_or_raises_on_every_rank(stage):
             assert "error" not in r and r["diff"] < 1e-6, r  # grads accumulate across steps, as torch's
         else:
             assert "before the last step()" in r.get("error", "") and "zero_grad()" in r["error"], r
+            # stage 3: params named from the root (a unit's own names would be a bare "weight")
+            assert stage == 2 or re.search(r"the gradients of (a|b|extra|head)\.(weight|bias)", r["error"]), r["error"]
 
 
 def test_stage3_grad_scaler_skips_an_inf_in_one_element_of_one_rank():
@@ -201,3 +205,8 @@ def test_meta_init_of_a_bool_buffer_that_init_leaves_unset_is_an_error():
 def test_units_keep_their_own_bucket_size_and_reshard_after_forward():
     for r in dist_harness.values(dist_harness.run(W.per_unit_options, 2, timeout=120)):
         assert r["diff"] < 1e-6, r
+
+
+def test_stage3_cast_after_building_names_the_param_on_every_rank():
+    for r in dist_harness.values(dist_harness.run(W.stage3_cast_after_building, 2, timeout=120)):
+        assert r["error"] and re.search(r"zerokern: (a|b|extra|head)\.(weight|bias) is now torch.bfloat16", r["error"]), r

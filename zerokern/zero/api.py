@@ -153,6 +153,9 @@ def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket
     unit.param_owners = [(module.get_submodule(n.rpartition(".")[0]), p)
                          for n, p in module.named_parameters(remove_duplicate=False) if unit.locate(p) is not None]
     unit.module = weakref.ref(module)  # the module holds the unit; not the other way round
+    for path, m in module.named_modules():  # errors name the params of units inside from here ("blocks.0.fc1.weight")
+        if path and isinstance(m, ZeroModule):
+            m._zerokern_unit.name_from(path)
     module._zerokern_unit = unit
     module.register_forward_pre_hook(_forward_pre_hook)
     if gathers_per_unit:

@@ -42,6 +42,7 @@ class FlatParams:
 
     def __init__(self, params, names, breaks, comm, config: ShardConfig, strategy: Strategy, unit_name: str):
         self.params, self.names = params, names
+        self.local_names = list(names)  # relative to the unit's module; names gain its path (ShardUnit.name_from)
         self.unit_name = unit_name
         self.shapes = [p.shape for p in params]  # at stage 3 p.shape is [0] while the unit is sharded
         self.dtype, self.device = params[0].dtype, params[0].device
@@ -213,6 +214,7 @@ class FlatParams:
         with torch.no_grad():
             for i, p in enumerate(self.params):
                 self.check_untouched(i)
+                self.check_moved(i)  # model.to(dtype) between gathers cast only the empty placeholder
                 self.empty_versions[i] = None
                 p.data = self.param_bufs.view(i, self.shapes[i])
                 self.ptrs[i] = p.data_ptr()
@@ -243,7 +245,7 @@ class FlatParams:
         if p.device != self.device or p.dtype != self.dtype:
             raise RuntimeError(
                 f"zerokern: {self.names[i]} is now {p.dtype} on {p.device}, but it was sharded as {self.dtype} on "
-                f"{self.device} (model.to(...) after FusedZeroAdam or zerokern.shard was built?). Move or cast "
+                f"{self.device} (model.to(...) after the optimizer or zerokern.shard was built?). Move or cast "
                 "the model first, then build the optimizer (and call zerokern.shard)")
 
     def adopt(self, i: int) -> None:
@@ -346,6 +348,11 @@ class ShardUnit:
     @property
     def params(self) -> List[torch.Tensor]:
         return [p for f in self.flat for p in f.params]
+
+    def name_from(self, path: str) -> None:
+        """The unit's module is at `path` in a module sharded around it: errors name params from there."""
+        for f in self.flat:
+            f.names = [f"{path}.{n}" for n in f.local_names]
 
     def locate(self, p):
         """(FlatParams, local index) of a trainable param of this unit, or None."""

@@ -7,7 +7,6 @@ tools see it), the step counts, and a step() that asks the engine to prepare, ru
 kernel on the stores' operands and tells the engine it is done. docs/DESIGN.md has the layers.
 """
 
-import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -17,6 +16,7 @@ from ..kernels.backends.registry import resolve
 from ..kernels.ops import fused_adam_
 from ..zero import checkpoint
 from ..zero.engine import ZeroEngine, forward_order  # noqa: F401 (forward_order: tests)
+from .engine_optimizer import EngineOptimizer
 from .hyper import check_hyper
 from .update_lists import UniformCalls, extend_calls
 from .zero_setup import validated_groups
@@ -39,7 +39,7 @@ class StepOptions:
                 raise ValueError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
 
 
-class FusedZeroAdam(torch.optim.Optimizer):
+class FusedZeroAdam(EngineOptimizer):
     """Adam/AdamW with ZeRO stage 0/1/2/3 sharding and fused kernels (stage 3: params sharded
     with zerokern.shard(module, stage=3) on each block and the root; [Note: stage-3 params] in
     zero/stage3.py).
@@ -104,8 +104,6 @@ class FusedZeroAdam(torch.optim.Optimizer):
     update; the last norm is in opt.last_grad_norm.
     """
 
-    _step_supports_amp_scaling = True  # GradScaler hands us grad_scale and found_inf
-
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=None, *, adam_w_mode=True,
                  bias_correction=True, zero_stage=None, process_group=None, bucket_cap_mb=None, overlap_comm=None,
                  max_grad_norm=None, backend="auto", offload=None, overlap_param_gather=None):
@@ -114,6 +112,7 @@ class FusedZeroAdam(torch.optim.Optimizer):
         check_hyper(lr, betas, eps, weight_decay)
         self.options = StepOptions(adam_w_mode, bias_correction, max_grad_norm, backend)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        self.max_grad_norm = max_grad_norm
         self._constructing = True
         super().__init__(validated_groups(params), defaults)
         self._constructing = False
@@ -138,7 +137,6 @@ class FusedZeroAdam(torch.optim.Optimizer):
         for store, pieces in zip(self.engine.stores, self._pieces):
             self._init_state(store, pieces)
         self._calls = [UniformCalls(store, pieces, self._group_of) for store, pieces in zip(self.stores, self._pieces)]
-        self._warned_no_grads = False
 
     def _init_state(self, store, pieces):
         """self.state[p] for the params of one store: views of this rank's slice of each."""
@@ -154,54 +152,11 @@ class FusedZeroAdam(torch.optim.Optimizer):
                         checkpoint.mark_slice(st[key], start, n, shape.numel())  # stage 3: p is empty
             self.state[p] = st
 
-    # the engine's, for integrations, benchmarks and tests
-    comm = property(lambda self: self.engine.comm)
-    strategy = property(lambda self: self.engine.strategy)
-    zero_stage = property(lambda self: self.engine.zero_stage)
-    units = property(lambda self: self.engine.units)
-    stores = property(lambda self: self.engine.stores)
-    schedule = property(lambda self: self.engine.schedule)
-    param_gather = property(lambda self: self.engine.param_gather)
-    stage3 = property(lambda self: self.engine.stage3)
-    last_grad_norm = property(lambda self: self.engine.last_grad_norm)
-    last_step_skipped = property(lambda self: self.engine.last_step_skipped)
-    _trainable = property(lambda self: self.engine.trainable)
-
     @property
     def _steps(self):
         return [int(s) for s in self._step_buffer.tolist()]
 
-    def add_param_group(self, param_group):
-        if not self._constructing:
-            raise NotImplementedError(
-                "FusedZeroAdam.add_param_group after construction is not supported: its params would need new "
-                "buckets on every rank. Build the optimizer with all param groups (a group may start with lr=0)")
-        super().add_param_group(param_group)
-
-    # [Note: compile] step() is opaque to torch.compile: a compiled training step graph-breaks
-    # here once per call instead of recompiling for every new step count and bucket state.
-    @torch.compiler.disable
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        grad_scale = getattr(self, "grad_scale", None)
-        had, skip = self.engine.begin_step(getattr(self, "found_inf", None), grad_scale)
-        if had and not any(had) and not self._warned_no_grads:
-            self._warned_no_grads = True
-            warnings.warn("FusedZeroAdam.step(): no parameter had a gradient on any rank, so nothing was updated. "
-                          "If the model's Parameters were replaced after the optimizer was built "
-                          "(load_state_dict(..., assign=True) without zerokern.shard), build the optimizer after "
-                          "that, as with any torch optimizer", stacklevel=3)
-        if not skip and any(had):
-            self._update(had, self.engine.grad_divisor(grad_scale, had, self.options.max_grad_norm))
-            self.engine.gather_updated()
-        self.engine.end_step(had, skip)
-        return loss
-
-    def _update(self, had, scale):
+    def _update(self, had, scale):  # noqa: D102 (EngineOptimizer's)
         """The fused update of every shard (one kernel call per param group and step count)."""
         stores = self.stores
         if isinstance(scale, torch.Tensor) and stores and scale.device != stores[0].device:
@@ -255,35 +210,3 @@ class FusedZeroAdam(torch.optim.Optimizer):
         torch.optim.AdamW for the same params), re-sharded to this world size."""
         self.engine.finish_param_gather()
         checkpoint.load_state_dict(self, state_dict)
-
-    # --- the engine's, as torch.optim users call them -----------------------------
-
-    def zero_grad(self, set_to_none: bool = True):
-        """As torch.optim: every .grad None (a param no backward reaches then is not stepped), or
-        with set_to_none=False a zero grad that the next step() uses ([Note: grads after step])."""
-        self.engine.zero_grad(set_to_none)
-
-    def no_sync(self):
-        """Backward passes inside accumulate locally, with no communication."""
-        return self.engine.no_sync()
-
-    def clip_grad_norm_(self, max_norm, norm_type=2.0):
-        """torch.nn.utils.clip_grad_norm_ for the sharded grads (a collective; see ZeroEngine.clip_grad_norm_)."""
-        return self.engine.clip_grad_norm_(max_norm, norm_type)
-
-    def share_found_inf(self, found_inf_per_device):
-        """zerokern.GradScaler's inf check, agreed across ranks."""
-        self.engine.share_found_inf(found_inf_per_device)
-
-    def finish_param_gather(self):
-        """Wait until every param holds the last step's values (needed only with overlap_param_gather=True,
-        before code that reads params directly between step() and the next forward)."""
-        self.engine.finish_param_gather()
-
-    def reload_master_weights(self):
-        """fp16/bf16 params: re-read the fp32 master weights from the model's params."""
-        self.engine.reload_master_weights()
-
-    def memory_report(self):
-        """Bytes this rank holds, by kind (docs/usage.md explains each)."""
-        return self.engine.memory_report()

@@ -25,6 +25,7 @@ import torch
 
 from ..zero import checkpoint
 from ..zero.engine import ZeroEngine
+from .engine_optimizer import EngineOptimizer
 from .zero_setup import validated_groups
 
 # torch.optim classes whose update is elementwise (so per-slice updates equal whole-tensor ones)
@@ -33,15 +34,13 @@ _ELEMENTWISE = {getattr(torch.optim, n) for n in ("SGD", "Adam", "AdamW", "Adagr
 _SHARDING = ("zero_stage", "process_group", "bucket_cap_mb", "overlap_comm", "offload", "overlap_param_gather")
 
 
-class ZeroOptimizer(torch.optim.Optimizer):
+class ZeroOptimizer(EngineOptimizer):
     """ZeroOptimizer(params, optimizer_class, *, zero_stage=None, process_group=None, bucket_cap_mb=None,
     overlap_comm=None, offload=None, overlap_param_gather=None, max_grad_norm=None, elementwise=None, **defaults)
 
     Trains params with optimizer_class(**defaults) on this rank's fp32 shards (see the module
     docstring). The sharding options and the .grad rules are FusedZeroAdam's. elementwise=True
     vouches for an optimizer class not known here to update each element on its own."""
-
-    _step_supports_amp_scaling = True  # the engine unscales, and agrees on inf/nan across ranks
 
     def __init__(self, params, optimizer_class, *, max_grad_norm=None, elementwise=None, **kwargs):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
@@ -91,42 +90,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             kept = [{**keys(self.param_groups[0]), "params": [torch.zeros(0)]}]
         self.inner = optimizer_class(kept, **kwargs)
 
-    comm = property(lambda self: self.engine.comm)
-    strategy = property(lambda self: self.engine.strategy)
-    zero_stage = property(lambda self: self.engine.zero_stage)
-    last_grad_norm = property(lambda self: self.engine.last_grad_norm)
-    last_step_skipped = property(lambda self: self.engine.last_step_skipped)
-    _trainable = property(lambda self: self.engine.trainable)
-
-    def add_param_group(self, param_group):
-        if not self._constructing:
-            raise NotImplementedError("ZeroOptimizer.add_param_group after construction is not supported: its "
-                                      "params would need new buckets on every rank. Build it with all param groups")
-        super().add_param_group(param_group)
-
-    @torch.compiler.disable
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        grad_scale = getattr(self, "grad_scale", None)
-        had, skip = self.engine.begin_step(getattr(self, "found_inf", None), grad_scale)
-        if not skip and any(had):
-            divisor = self.engine.grad_divisor(grad_scale, had, self.max_grad_norm)
-            self._update(had, divisor)
-            self.engine.gather_updated()
-        self.engine.end_step(had, skip)
-        return loss
-
     def _update(self, had, divisor):
         stores = self.engine.stores
-        grads = []
+        grads, models = [], []
         for store in stores:
             if not store.master_valid:
                 store.refresh_master()
-            master, grad, _ = store.operands()
+            _, grad, model = store.operands()  # once: an offloaded store copies the grad to the CPU here
+            models.append(model)
             # a copy: the reduced grad can be what .grad shows (stage 0) and must not change under it
             g = grad.to(torch.float32, copy=True)
             if divisor is not None:
@@ -140,8 +111,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.inner.step()
         for piece in self._piece.values():
             piece.grad = None
-        for store in stores:
-            _, _, model = store.operands()
+        for store, model in zip(stores, models):
             if model is not None:  # fp16/bf16 params (or an offloaded copy): round the new masters to nearest
                 model.copy_(store.master)
 
@@ -221,23 +191,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.param_groups[gi].update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
         self.inner.load_state_dict({"state": inner_state, "param_groups": groups})
         self._sync_state()
-
-    # --- the engine's, as torch.optim users call them ----------------------------
-
-    def zero_grad(self, set_to_none: bool = True):
-        self.engine.zero_grad(set_to_none)
-
-    def no_sync(self):
-        return self.engine.no_sync()
-
-    def clip_grad_norm_(self, max_norm, norm_type=2.0):
-        return self.engine.clip_grad_norm_(max_norm, norm_type)
-
-    def share_found_inf(self, found_inf_per_device):
-        self.engine.share_found_inf(found_inf_per_device)
-
-    def finish_param_gather(self):
-        self.engine.finish_param_gather()
 
     def memory_report(self):
         rep = self.engine.memory_report()

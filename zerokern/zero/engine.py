@@ -479,9 +479,13 @@ class ZeroEngine:
                 "backward before each step synced")
         return [v > 0 for v in values[:n]], [v > 0 for v in values[n:n + m]], inf_max > 0
 
-    def _raise_stale(self, buckets):
+    def _names_in(self, buckets):
+        """The params of `buckets`, for an error: the first four and how many more."""
         names = [s.flat.names[i] for s in self.stores if s.bucket in buckets for i in s.bucket.plan.tensors]
-        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+    def _raise_stale(self, buckets):
+        shown = self._names_in(buckets)
         raise RuntimeError(
             f"zerokern: the gradients of {shown} (on some rank) are from before the last step(), with no "
             f"zero_grad() since. At zero_stage={self.zero_stage} step() frees the gradients (the stage's memory "
@@ -490,8 +494,7 @@ class ZeroEngine:
 
     def _raise_edited(self, buckets):
         ddp_guard.refuse_if_reduced(self.trainable)  # DDP's reducer wrote them ([Note: DDP wrap])
-        names = [s.flat.names[i] for s in self.stores if s.bucket in buckets for i in s.bucket.plan.tensors]
-        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        shown = self._names_in(buckets)
         raise RuntimeError(
             f"zerokern: the gradients of {shown} were changed in place between backward and step() (on some "
             f"rank). At zero_stage={self.zero_stage} on {self.comm.world_size} ranks .grad holds the local, "

@@ -62,7 +62,7 @@ def test_grad_scaler_overflow_on_one_rank():
 
 def test_what_stage3_refuses():
     for r in dist_harness.values(dist_harness.run(W.errors, 2, timeout=120)):
-        assert r["replaced data"] and "fc1.weight (unit 'Block')" in r["replaced data"], r["replaced data"]
+        assert r["replaced data"] and "fc1.weight (unit 'blocks.0')" in r["replaced data"], r["replaced data"]
         assert r["empty_between"]
 
 
@@ -178,8 +178,8 @@ def test_interrupted_backward_and_a_borrowed_linear_give_stage2_bits():
 def test_changes_between_steps_and_late_freezing_are_errors():
     for r in dist_harness.values(dist_harness.run(W.refusals_after_shard, 2, timeout=120)):
         for what in ("step", "forward"):
-            assert r[what] and "fc1.weight (unit 'Block') was changed in place while its unit was sharded" in r[what]
-        assert r["frozen"] and "fc2.bias (unit 'Block') was trainable when zerokern.shard() made" in r["frozen"]
+            assert r[what] and "fc1.weight (unit 'blocks.0') was changed in place while its unit was sharded" in r[what]
+        assert r["frozen"] and "fc2.bias (unit 'blocks.0') was trainable when zerokern.shard() made" in r["frozen"]
 
 
 def test_meta_init_takes_rank0_frozen_values_and_can_be_retried():

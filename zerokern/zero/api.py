@@ -116,7 +116,7 @@ def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket
     if strategy.materializes_meta:
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        materialize(module, torch.device(device), init, lambda m: isinstance(m, ZeroModule))
+        materialize(module, torch.device(device), init, lambda m: isinstance(m, ZeroModule), _inner_params(module))
     params, names, runs, run, last_owned = [], [], [], 0, False
     seen: Dict[int, bool] = {}
     for name, p in module.named_parameters(remove_duplicate=True):
@@ -145,6 +145,7 @@ def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket
     if gathers_per_unit:  # shard() runs collectives from here on: agree first
         _check_same_on_every_rank(comm, module, config, params, names)
     unit = make_unit(params, names, runs, comm, config, type(module).__name__)
+    unit.init = init  # how its params were initialised, if materialised here (a root's init is checked against it)
     unit.module_slots = []
     for p, n in zip(params, names):
         if p.requires_grad:
@@ -200,7 +201,7 @@ def full_state_dict(model: torch.nn.Module, *, rank0_only: bool = True, device="
         f = where[0]
         for b, bucket in enumerate(f.layout.buckets):  # the whole FlatParams at once: the same order everywhere
             full = f.param_shards[b].new_empty(bucket.padded_numel)
-            comm.wait(comm.all_gather(full, f.param_shards[b], name="gather_state"))
+            comm.wait(comm.all_gather(full, f.param_shards[b], name=f"full_state_dict[{f.buckets[b].name}]"))
             for i in bucket.tensors:
                 slot = f.layout.slots[i]
                 value = full[slot.offset:slot.offset + slot.numel].view(f.shapes[i])
@@ -218,6 +219,22 @@ def full_state_dict(model: torch.nn.Module, *, rank0_only: bool = True, device="
                                "that the gather did not reach; please report this with the model's wrappers")
         else:
             out[k] = v.to(device, copy=True) if isinstance(v, torch.Tensor) else v
+    return out
+
+
+def _inner_params(module):
+    """(name, param, its unit's init, forget) of the stage-3 params of units inside `module`, for
+    materialize to check what the root's init writes to them."""
+    out = []
+    for path, m in module.named_modules():
+        if not path or not isinstance(m, ZeroModule):
+            continue
+        unit = m._zerokern_unit
+        for f in unit.flat:
+            if f.shards_params:
+                for i, p in enumerate(f.params):
+                    out.append((f"{path}.{f.local_names[i]}", p, getattr(unit, "init", None),
+                                lambda f=f, i=i: f.forget_empty_write(i)))
     return out
 
 

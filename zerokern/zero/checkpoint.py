@@ -106,7 +106,7 @@ def _gather(opt, shard, device):
         return shard
     part = shard.to(device)
     full = part.new_empty(part.numel() * opt.comm.world_size)
-    opt.comm.wait(opt.comm.all_gather(full, part, name="gather_state"))
+    opt.comm.wait(opt.comm.all_gather(full, part, name="optimizer state_dict"))
     return full.to(shard.device)
 
 

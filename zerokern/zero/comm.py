@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from . import exit_drain
+from . import collective_check, exit_drain
 
 # torch 2.14 renamed the flat-tensor collectives; 2.11 has only the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -69,20 +69,26 @@ class Comm:
         self.world_size = dist.get_world_size(process_group) if process_group is not None else 1
         self.rank = dist.get_rank(process_group) if process_group is not None else 0
         self.wait_seconds = 0.0  # host time spent waiting on collectives (bench/overlap.py reads it)
+        self.check = None  # [Note: announced collectives] (collective_check.py)
         if self.distributed:
             exit_drain.register()  # [Note: exit drain]
+            self.check = collective_check.for_group(process_group)
 
     @property
     def distributed(self):
         return self.world_size > 1
 
-    def _label(self, name):
+    def _label(self, name, tensor=None):
+        """Every collective enters here once: labelled for the profiler, and announced to the
+        other ranks first ([Note: announced collectives])."""
         if not dist.is_initialized():
             # Without this check a step after destroy_process_group() still runs its
             # collectives on the shut-down group (torch keeps the object alive).
             raise RuntimeError(f"zerokern: {name} on rank {self.rank}: torch.distributed's process groups were "
                                "destroyed (dist.destroy_process_group()), but this optimizer still shards over "
                                "one; build a new optimizer after init_process_group()")
+        if self.distributed and self.check is not None:
+            self.check.announce(name, tensor)
         return record_function(f"zerokern::{name}") if self.distributed else nullcontext()
 
     def reduce_scatter(self, output, input, name="reduce_scatter"):
@@ -91,20 +97,20 @@ class Comm:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return _Done()
-        with self._label(name):
+        with self._label(name, input):
             return _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
 
     def all_reduce(self, tensor, op=dist.ReduceOp.SUM, name="all_reduce"):
         if not self.distributed:
             return _Done()
-        with self._label(name):
+        with self._label(name, tensor):
             return dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
 
     def all_gather(self, output, input, name="all_gather"):
         """Async all-gather of every rank's `input` into `output` (input may be output's own slice)."""
         if not self.distributed:
             return _Done()
-        with self._label(name):
+        with self._label(name, output):
             return _all_gather(output, input, group=self.group, async_op=True)
 
     def _global_rank(self, group_rank):
@@ -114,7 +120,7 @@ class Comm:
         """Async broadcast of `tensor` from group rank `src_rank`."""
         if not self.distributed:
             return _Done()
-        with self._label(name):
+        with self._label(name, tensor):
             return dist.broadcast(tensor, src=self._global_rank(src_rank), group=self.group, async_op=True)
 
     def wait(self, work):
@@ -141,7 +147,8 @@ class Comm:
         "zerokern.shard(Block)"): a rank that reached another agreement (it skipped a call the
         others made) makes every rank raise, saying what each was doing, instead of comparing
         unlike things."""
-        everyone = self.gather_objects((what, mine))
+        # announced under one name: a rank at another agreement gets the message below, which says more
+        everyone = self.gather_objects((what, mine), name="agreement")
         doing = [w for w, _ in everyone]
         if any(w != doing[0] for w in doing):
             raise RuntimeError(
@@ -152,12 +159,12 @@ class Comm:
         values = [m for _, m in everyone]
         return values if any(other != values[0] for other in values) else None
 
-    def gather_objects(self, obj):
+    def gather_objects(self, obj, name="gather_objects"):
         """Every rank's `obj` (small, picklable), on every rank."""
         if not self.distributed:
             return [obj]
         out = [None] * self.world_size
-        with self._label("gather_objects"):
+        with self._label(name):
             dist.all_gather_object(out, obj, group=self.group)
         return out
 

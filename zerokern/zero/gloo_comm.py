@@ -61,7 +61,7 @@ class GlooComm(Comm):
 
     def reduce_scatter(self, output, input, name="reduce_scatter"):
         if self.exchange_reduce and output.is_contiguous():
-            with self._label(name):
+            with self._label(name, input):
                 return self._exchange(output, input)
         return super().reduce_scatter(output, input, name)
 
@@ -80,7 +80,7 @@ class GlooComm(Comm):
 
     def all_gather(self, output, input, name="all_gather"):
         if self._gathers_by_broadcast(output, input):
-            with self._label(name):
+            with self._label(name, output):
                 n = input.numel()
                 return _AllOf([dist.broadcast(output[r * n:(r + 1) * n], src=self._global_rank(r), group=self.group,
                                               async_op=True) for r in range(self.world_size)])

@@ -11,7 +11,12 @@ new tensors and the flat buffer they are copied into) next to the slices kept so
 Initialisation: by default every module in the unit that holds one of its new params or
 buffers runs its own reset_parameters() (nn.Linear, nn.Embedding, nn.LayerNorm... have one);
 `init=fn` replaces that: fn(module) is called under no_grad with the unit's params and buffers
-materialised (params of units inside it are empty by then; writing to them is a no-op). The new
+materialised. Params of units inside it are empty by then, so fn's writes to them do nothing:
+where those units were initialised by the same fn (HF's pattern: one
+`init = lambda m: m.apply(model._init_weights)` passed to every shard() call, the root's last),
+that is what the user meant, and the writes are forgotten; where they were initialised another way
+(reset_parameters(), another fn) the root's init would silently not reach them, so shard() raises
+naming the param (writes through p.data are not seen: they bypass the version counter). The new
 tensors start as NaN (integers: their largest value), and one still holding it after
 initialisation (a param nothing covers, a buffer computed in __init__) is an error naming it,
 never uninitialised memory trained on; a bool buffer has no such value, so one that init did not
@@ -62,8 +67,11 @@ def _untouched(t: torch.Tensor) -> bool:
     return bool((t == torch.iinfo(t.dtype).max).any())
 
 
-def materialize(module: torch.nn.Module, device: torch.device, init: Optional[Callable], is_unit) -> None:
+def materialize(module: torch.nn.Module, device: torch.device, init: Optional[Callable], is_unit,
+                inner=()) -> None:
     """Replace the meta params and buffers of `module`'s own unit by initialised tensors on `device`.
+    inner: (name, param, the init its unit was materialised with, forget) of the stage-3 params
+    of units inside `module`; forget() makes the unit forget a write to its empty param.
     On an error the module is left as it was (on meta), so shard() can be called again."""
     scope = in_scope(module, is_unit)
     names = {id(m): prefix for prefix, m in module.named_modules()}
@@ -107,6 +115,7 @@ def materialize(module: torch.nn.Module, device: torch.device, init: Optional[Ca
                 "computed in __init__) no reset_parameters() restores; pass init=fn to zerokern.shard and set it "
                 "there, or register it after shard()")
         versions = [t._version for _, _, _, t in bool_buffers]
+        inner_versions = [p._version for _, p, _, _ in inner]
         with torch.no_grad():
             if init is not None:
                 init(module)
@@ -123,6 +132,16 @@ def materialize(module: torch.nn.Module, device: torch.device, init: Optional[Ca
                     f"zerokern.shard: {name} is tied to a param of a unit sharded earlier, which initialised it; "
                     "this unit's init wrote to it, which does nothing (it is sharded there): initialise it in the "
                     "init of the unit sharded first")
+        written = [(name, theirs, forget) for (name, p, theirs, forget), v in zip(inner, inner_versions)
+                   if p._version != v]
+        for name, theirs, _ in written:
+            if theirs is not init:
+                how = "reset_parameters()" if theirs is None else "another init"
+                raise ValueError(
+                    f"zerokern.shard: init(module) wrote to {name}, a param of a unit sharded earlier with {how}; "
+                    "there the write does nothing (that unit keeps only its slice). Pass the same init to every "
+                    "shard() call (init = lambda m: m.apply(model._init_weights); shard(block, stage=3, init=init) "
+                    "for each block, then shard(model, stage=3, init=init))")
         for (name, d, key, t), version in zip(bool_buffers, versions):
             if d.get(key) is t and t._version == version:  # neither written nor replaced by init
                 raise ValueError(
@@ -144,3 +163,5 @@ def materialize(module: torch.nn.Module, device: torch.device, init: Optional[Ca
     for _, q, p in fresh.values():
         if p is not None:
             _DONE[p] = q  # later units holding the same meta param take this one
+    for _, _, forget in written:
+        forget()  # the unit was initialised by this same init: its write to an empty param meant nothing new

@@ -106,7 +106,6 @@ class UnitParams:
         self.unit, self.comm = unit, comm
         self.counter = counter  # the runtime: gathered bytes now and at peak
         self.flats = [f for f in unit.flat if f.shards_params]
-        self.name = unit.name
         self.trainable = sum(len(f.params) for f in self.flats)
         self.got = 0  # params of the unit whose grad arrived since it was last gathered for backward
         self.active = 0  # forwards of the unit's module running now (outside backward)
@@ -116,6 +115,10 @@ class UnitParams:
         self._works = []
         self._empty = {}
         self.handed = model_state.HandedOut()  # state_dict() copies, for a dcp.load never loaded
+
+    @property
+    def name(self) -> str:
+        return self.unit.name  # the module path once the root is sharded (ShardUnit.name_from)
 
     def shard(self) -> None:
         """At zerokern.shard(): every rank takes rank 0's values (as DDP's construction does), keeps
@@ -232,6 +235,10 @@ class Stage3Runtime:
         self._depth = 0  # unit forwards running (nested)
         self._new_forward = True  # the next unit forward begins an iteration (after backward or step())
         self._end_queued = False
+        # A backward with create_graph=True (a gradient penalty) saved the gathered params in the
+        # graph it built, which a later backward runs: nothing is freed until a backward without
+        # create_graph ends ([Note: double backward]).
+        self._keep_for_graph = False
         self.prefetch = True  # launch the next unit's gather with this one's (bench/overlap.py turns it off)
         self._foreign = set()  # (id(module), id(unit)) of add_foreign_use
         self.gathered_bytes = 0  # bytes of full param buffers allocated now (UnitParams counts)
@@ -310,6 +317,7 @@ class Stage3Runtime:
 
     def reshard_all(self, units=None) -> None:
         self._iteration_ends()
+        self._keep_for_graph = False  # step() ends a penalty's graph too (a Hessian-vector product, no backward after)
         for up in (self.units if units is None else [self._of[id(u)] for u in units]):
             up.reshard()
 
@@ -389,6 +397,8 @@ class Stage3Runtime:
 
     def _queue_end_of_backward(self) -> None:
         self._iteration_ends()
+        if torch.is_grad_enabled():  # inside backward, grad mode is create_graph's
+            self._keep_for_graph = True
         if not self._end_queued:
             self._end_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -405,9 +415,19 @@ class Stage3Runtime:
         if up is None or up.state is ParamState.SHARDED:
             return
         up.got += 1
-        if up.got >= up.trainable:
+        if up.got >= up.trainable and not self._keep_for_graph:
             up.reshard()  # every param of the unit has its grad: nothing in backward reads them again
 
     def _end_of_backward(self) -> None:
+        """[Note: double backward] torch.autograd.grad(..., create_graph=True) builds a graph of the
+        backward itself, and its nodes saved the gathered params (views of the full buffers) that
+        the final backward reads: freeing them there gave "setStorage: ... out of bounds for
+        storage of size 0". So a create_graph backward frees nothing, and neither do the grads of
+        the backward after it (a node of the penalty's graph may read a param after the param's
+        grad arrived); the end of the first backward without create_graph frees every unit. The
+        cost: the units a penalty's graph reaches stay gathered from that backward to the end of
+        the next one."""
         self._end_queued = False
+        if torch.is_grad_enabled():
+            return
         self.reshard_all()

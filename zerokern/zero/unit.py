@@ -228,6 +228,12 @@ class FlatParams:
                 self.ptrs[i] = p.data_ptr()
                 self.empty_versions[i] = p._version
 
+    def forget_empty_write(self, i: int) -> None:
+        """A write to params[i] while sharded that is known to mean nothing (a root's init of
+        params its own unit initialised the same way: materialize.py) is not an error later."""
+        if self.empty_versions[i] is not None:
+            self.empty_versions[i] = self.params[i]._version
+
     def check_untouched(self, i: int) -> None:
         """params[i] changed in place while its unit was sharded (its version counter moved: clamp_,
         an init, copy_ into it) changed nothing, since it held no values: an error, not a no-op."""
@@ -350,9 +356,15 @@ class ShardUnit:
         return [p for f in self.flat for p in f.params]
 
     def name_from(self, path: str) -> None:
-        """The unit's module is at `path` in a module sharded around it: errors name params from there."""
+        """The unit's module is at `path` in a module sharded around it: errors name params and the
+        unit from there, and its buckets' collectives too (two units' gathers of one size must not
+        pass for each other: [Note: announced collectives])."""
+        self.name = path
         for f in self.flat:
             f.names = [f"{path}.{n}" for n in f.local_names]
+            f.unit_name = path
+            for b in f.buckets:
+                b.name = f"{path}:{b.name.split(':', 1)[1]}"
 
     def locate(self, p):
         """(FlatParams, local index) of a trainable param of this unit, or None."""

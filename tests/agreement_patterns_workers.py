@@ -1,0 +1,141 @@
+"""Per-rank bodies of test_agreement_patterns.py: ranks that leave the common path (a unit one
+rank skips, an exception one rank catches, a collective on rank 0 only) must all raise, never
+hang, abort or train on ([Note: announced collectives] in zerokern/zero/collective_check.py)."""
+
+import os
+import time
+
+import torch
+import torch.nn as nn
+
+import zerokern
+from zerokern import FusedZeroAdam
+from zerokern.zero.collective_check import CollectiveMismatch
+
+
+class Flaky(nn.Linear):
+    """A Linear that raises (a simulated out-of-memory) in its forward or its backward on demand."""
+
+    fail = None  # None, "forward" or "backward"
+
+    def forward(self, x):
+        if self.fail == "forward":
+            raise RuntimeError("CUDA out of memory (simulated)")
+        out = super().forward(x)
+        if self.fail == "backward" and out.requires_grad:
+            def boom(grad):
+                raise RuntimeError("CUDA out of memory (simulated, in backward)")
+            out.register_hook(boom)
+        return out
+
+
+class Net(nn.Module):
+    """Four blocks of the same size (gathers that one size cannot tell apart) and a head."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([Flaky(8, 8) for _ in range(4)])
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x, skip=()):
+        for k, b in enumerate(self.blocks):
+            if k not in skip:  # LayerDrop
+                x = torch.tanh(b(x))
+        return self.head(x).square().mean()
+
+
+def _build(stage):
+    os.environ["ZEROKERN_COLLECTIVE_TIMEOUT"] = "30"  # a rank that waits elsewhere: an error well within the test's
+    model = Net()
+    if stage == 3:
+        for m in [*model.blocks, model.head]:
+            zerokern.shard(m, stage=3)
+        zerokern.shard(model, stage=3)
+        return model, FusedZeroAdam(model.parameters(), lr=1e-2, weight_decay=0.0)
+    return model, FusedZeroAdam(model.parameters(), lr=1e-2, weight_decay=0.0, zero_stage=stage, bucket_cap_mb=1e-4)
+
+
+def _batches(rank, n=4):
+    g = torch.Generator().manual_seed(rank)
+    return [torch.randn(4, 8, generator=g) for _ in range(n)]
+
+
+def _outcome(fn):
+    """What a rank ended with: its error (kind and text) or None, and how long it took."""
+    t0 = time.time()
+    try:
+        fn()
+        return {"error": None, "seconds": time.time() - t0}
+    except CollectiveMismatch as e:
+        return {"error": str(e), "kind": "mismatch", "seconds": time.time() - t0}
+    except Exception as e:  # noqa: BLE001  the test reports it
+        return {"error": f"{type(e).__name__}: {e}", "kind": "other", "seconds": time.time() - t0}
+
+
+def layer_drop_on_one_rank(rank, world, stage):
+    """Rank 1 drops block 2 at the second step (LayerDrop decided per rank). Below stage 3 the
+    params are whole and every bucket is reduced, as DDP(find_unused_parameters=True) does: the
+    same numbers as DDP + AdamW."""
+    model, opt = _build(stage)
+
+    def train(model, opt):
+        for s, x in enumerate(_batches(rank)):
+            model(x, skip=(2,) if rank == 1 and s == 1 else ()).backward()
+            opt.step()
+            opt.zero_grad()
+    out = _outcome(lambda: train(model, opt))
+    if stage < 3:
+        ddp = torch.nn.parallel.DistributedDataParallel(Net(), find_unused_parameters=True)
+        train(ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.0))
+        out["diff"] = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ddp.module.parameters()))
+    return out
+
+
+def exception_on_one_rank(rank, world, stage, where):
+    """Rank 1 raises in block 1's forward or backward at the second step; its loop skips the
+    batch and goes on (a skip-the-batch-on-OOM loop)."""
+    model, opt = _build(stage)
+    skipped = []
+
+    def train():
+        for s, x in enumerate(_batches(rank)):
+            model.blocks[1].fail = where if rank == 1 and s == 1 else None
+            try:
+                model(x).backward()
+            except RuntimeError as e:
+                if "simulated" not in str(e):
+                    raise
+                skipped.append(s)
+                opt.zero_grad()
+                continue
+            opt.step()
+            opt.zero_grad()
+    out = _outcome(train)
+    out["skipped"] = skipped
+    return out
+
+
+def full_state_dict_on_rank0_only(rank, world):
+    """`if rank == 0: full_state_dict(model)` between two steps (a save on rank 0 only): no rank
+    may get a dict of stale bytes or train on with params that disagree."""
+    model, opt = _build(3)
+    batches = _batches(rank)
+    got = {}
+
+    def shards():
+        return [t.clone() for u in opt.units for f in u.flat for t in f.param_shards]
+
+    def train():
+        for s, x in enumerate(batches):
+            model(x).backward()
+            opt.step()
+            opt.zero_grad()
+            if s == 1:
+                got["after step 1"] = shards()
+                if rank == 0:
+                    got["dict"] = zerokern.full_state_dict(model)
+    out = _outcome(train)
+    out["got_dict"] = "dict" in got
+    out["untouched"] = all(a.equal(b) for a, b in zip(got["after step 1"], shards()))
+    return out

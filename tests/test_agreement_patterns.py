@@ -1,0 +1,50 @@
+"""Ranks that leave the common path all raise, naming what each was at: never a hang, an abort
+(gloo's SIGABRT on a size mismatch) or training on with mixed buffers (issue 29, items 1, 2, 5).
+Each ran on 2 gloo ranks before the collective check: LayerDrop and the exceptions aborted or
+hung (the harness's timeout), full_state_dict on rank 0 only gave a dict of stale bytes."""
+
+import pytest
+
+import agreement_patterns_workers as W
+import dist_harness
+
+
+def _both_raise_a_mismatch(results, *names):
+    outs = dist_harness.values(results)
+    for r, out in enumerate(outs):
+        assert out["error"] and out.get("kind") == "mismatch", (r, out)
+        assert "rank 0 at" in out["error"] and "rank 1 at" in out["error"], out["error"]
+        for n in names:
+            assert n in out["error"], (n, out["error"])
+    assert outs[0]["error"] == outs[1]["error"], "every rank raises the same error"
+    return outs
+
+
+def test_a_unit_skipped_on_one_rank_raises_on_every_rank_at_stage_3():
+    outs = _both_raise_a_mismatch(dist_harness.run(W.layer_drop_on_one_rank, 2, 3, timeout=120),
+                                  "run every unit on every rank")
+    # the units by their paths: gathers of blocks of one size are told apart
+    assert "blocks.2" in outs[0]["error"] or "blocks.3" in outs[0]["error"], outs[0]["error"]
+
+
+def test_a_module_skipped_on_one_rank_trains_as_ddp_at_stage_2():
+    """Whole params: every bucket is reduced, a skipped module's grads count as zero (DDP's
+    find_unused_parameters=True)."""
+    for out in dist_harness.values(dist_harness.run(W.layer_drop_on_one_rank, 2, 2, timeout=120)):
+        assert out["error"] is None, out["error"]
+        assert out["diff"] < 1e-6, out["diff"]
+
+
+@pytest.mark.parametrize("stage,where", [(3, "forward"), (2, "backward"), (3, "backward")])
+def test_an_exception_on_one_rank_raises_on_every_rank(stage, where):
+    outs = _both_raise_a_mismatch(dist_harness.run(W.exception_on_one_rank, 2, stage, where, timeout=120),
+                                  "skip a failed batch on every rank")
+    assert outs[1]["skipped"] == [1] and outs[0]["skipped"] == []
+
+
+def test_full_state_dict_on_rank0_only_is_refused_and_corrupts_nothing():
+    outs = _both_raise_a_mismatch(dist_harness.run(W.full_state_dict_on_rank0_only, 2, timeout=120),
+                                  "full_state_dict[", "call full_state_dict/save_model on every rank")
+    assert not outs[0]["got_dict"], "no dict of stale bytes is handed out"
+    for r, out in enumerate(outs):
+        assert out["untouched"], f"rank {r}'s params changed after the refused call"

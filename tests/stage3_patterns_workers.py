@@ -117,3 +117,84 @@ def hf_style_init_at_root(rank, world):
         out["refused"] = str(e)
         out["left_on_meta"] = other.inp.weight.device.type == "meta"
     return out
+
+
+def hf_generate_at_stage3(rank, world, synced):
+    """A tiny GPT-2 sharded per block at stage 3; the ranks generate different numbers of tokens
+    (rank 1 more), then train a step. synced None: generate's default (zerokern turns
+    synced_gpus on); False: the caller's choice kept, so the ranks' gathers part ways."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from zerokern.zero.collective_check import CollectiveMismatch
+    import os
+    os.environ["ZEROKERN_COLLECTIVE_TIMEOUT"] = "30"
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=32, n_embd=16, n_layer=2, n_head=2))
+    for block in model.transformer.h:
+        zerokern.shard(block, stage=3)
+    zerokern.shard(model, stage=3)
+    opt = FusedZeroAdam(model.parameters(), lr=1e-3)
+    prompt = torch.tensor([[1, 2, 3]])
+    kwargs = {} if synced is None else {"synced_gpus": synced}
+    try:
+        model.eval()
+        with torch.no_grad():
+            out = model.generate(prompt, max_new_tokens=2 + 3 * rank, min_new_tokens=2 + 3 * rank,
+                                 do_sample=False, pad_token_id=0, **kwargs)
+        model.train()
+        ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(rank))
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        full = zerokern.full_state_dict(model, rank0_only=False)
+    except CollectiveMismatch as e:
+        return {"error": str(e)}
+    return {"error": None, "new_tokens": out.shape[1] - 3,
+            "checksum": sum(v.double().sum().item() for v in full.values())}
+
+
+class Heads(nn.Module):
+    """Three ways of reading params outside a forward: a method that is not a forward (hidden
+    states), a head unit never called (its weight used directly), an L2 term over the params."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return torch.tanh(self.body(x))
+
+    def hidden(self, x):
+        return torch.tanh(x @ self.body.weight.t() + self.body.bias)
+
+
+def params_read_outside_forward(rank, world):
+    torch.manual_seed(0)
+    model = Heads()
+    zerokern.shard(model.body, stage=3)
+    zerokern.shard(model.head, stage=3)
+    zerokern.shard(model, stage=3)
+    opt = FusedZeroAdam(model.parameters(), lr=1e-2)
+    x = torch.randn(4, 8)
+    reads = {
+        "hidden": lambda: model.hidden(x),
+        "head weight": lambda: (model(x) @ model.head.weight.t()).sum().backward(),
+        "l2": lambda: (model(x).sum() + 1e-2 * sum(p.square().sum() for p in model.parameters())).backward(),
+    }
+    out = {}
+    for what, read in reads.items():
+        try:
+            read()
+            out[what] = None
+        except RuntimeError as e:
+            out[what] = str(e)
+        opt.zero_grad()
+    # the allowed uses still work between gathers: shapes, state_dict, a no-op to(), repr, and training
+    out["shapes"] = [tuple(p.shape) for p in model.parameters()]
+    model.to(torch.float32)
+    out["keys"] = sorted(model.state_dict())
+    repr(model.head.weight)
+    (model.head(model(x)).square().mean()).backward()
+    opt.step()
+    out["trained"] = all(t.isfinite().all() for u in opt.units for f in u.flat for t in f.param_shards)
+    return out

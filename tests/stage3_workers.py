@@ -349,8 +349,14 @@ def refusals_after_shard(rank, world):
     model, opt = _model(3, 1, None, torch.float32, 25.0)
     _loss(model, _data(0, 1)).backward()
     opt.step()
-    with torch.no_grad():
-        model.blocks[0].fc1.weight.clamp_(-0.01, 0.01)  # a WGAN-style clip between steps
+    try:
+        with torch.no_grad():
+            model.blocks[0].fc1.weight.clamp_(-0.01, 0.01)  # a WGAN-style clip between steps
+        out["clamp"] = None
+    except RuntimeError as e:  # the param refuses it ([Note: reads between gathers])
+        out["clamp"] = str(e)
+    with torch.no_grad():  # a write no __torch_function__ sees (the version counter does): at the next gather
+        torch.Tensor.clamp_(model.blocks[0].fc1.weight.as_subclass(torch.Tensor), -0.01, 0.01)
     for what, call in (("step", opt.step), ("forward", lambda: _loss(model, _data(1, 1)))):
         try:
             call()

@@ -177,6 +177,8 @@ def test_interrupted_backward_and_a_borrowed_linear_give_stage2_bits():
 
 def test_changes_between_steps_and_late_freezing_are_errors():
     for r in dist_harness.values(dist_harness.run(W.refusals_after_shard, 2, timeout=120)):
+        assert r["clamp"] and r["clamp"].startswith("zerokern: blocks.0.fc1.weight was changed in place (clamp_)"), r
+        assert "model.load_state_dict(sd)" in r["clamp"]
         for what in ("step", "forward"):
             assert r[what] and "fc1.weight (unit 'blocks.0') was changed in place while its unit was sharded" in r[what]
         assert r["frozen"] and "fc2.bias (unit 'blocks.0') was trainable when zerokern.shard() made" in r["frozen"]

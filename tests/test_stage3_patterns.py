@@ -1,6 +1,8 @@
 """Stage-3 patterns that reach past one unit's forward and backward (issue 29, items 3, 4, 11,
 12): torch's numbers, or zerokern's error naming the param and the fix."""
 
+import pytest
+
 import dist_harness
 import stage3_patterns_workers as W
 
@@ -22,3 +24,28 @@ def test_hf_style_init_from_the_root_initialises_every_unit():
         assert r["diff"] < 1e-6, r["diff"]
         assert r["refused"] and "wrote to blocks.0." in r["refused"] and "reset_parameters()" in r["refused"], r
         assert "Pass the same init to every shard() call" in r["refused"] and r["left_on_meta"]
+
+
+def test_hf_generate_at_stage3_syncs_ranks_that_finish_at_different_lengths():
+    """Before: rank 0 left generate() early, the gathers desynchronised and the next training
+    step aborted. transformers turns synced_gpus on only for DeepSpeed ZeRO-3 and FSDP; zerokern's
+    stage-3 model now does the same; an explicit synced_gpus=False raises on every rank."""
+    pytest.importorskip("transformers")
+    synced = dist_harness.values(dist_harness.run(W.hf_generate_at_stage3, 2, None, timeout=180))
+    assert [r["error"] for r in synced] == [None, None], synced
+    assert [r["new_tokens"] for r in synced] == [2, 5]
+    assert synced[0]["checksum"] == synced[1]["checksum"], "the ranks agree after the step"
+    unsynced = dist_harness.values(dist_harness.run(W.hf_generate_at_stage3, 2, False, timeout=180))
+    for r in unsynced:
+        assert r["error"] and "synced_gpus=True" in r["error"], r
+
+
+def test_params_read_outside_a_forward_name_zerokern_the_param_and_the_fix():
+    """Before: torch's "mat1 and mat2 shapes cannot be multiplied (4x8 and 0)" and "PowBackward0
+    returned an invalid gradient ... got [0]" (after the L2 forward had silently added 0)."""
+    for r in dist_harness.values(dist_harness.run(W.params_read_outside_forward, 2, timeout=120)):
+        for what, param in (("hidden", "body.weight"), ("head weight", "head.weight"), ("l2", "body.weight")):
+            assert r[what] and r[what].startswith(f"zerokern: {param} was used"), (what, r[what])
+            assert "call the module" in r[what] and "full_state_dict" in r[what], r[what]
+        assert r["shapes"] == [(0,)] * 4 and r["keys"] == ["body.bias", "body.weight", "head.bias", "head.weight"]
+        assert r["trained"]

@@ -168,6 +168,9 @@ def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket
         comm.broadcast_from_first(list(whole.values()))
         runtime = runtime_for(comm)
         runtime.add(unit)  # [Note: stage-3 params]: this rank keeps its slice from now on
+        if comm.distributed:
+            from ..integrations.generate import sync_generate
+            sync_generate(module)  # each forward gathers: every rank must run as many
         for n, p in module.named_parameters(remove_duplicate=False):
             other = unit_of(p)  # a param of another unit held here too (a tied head): gathered for its use here
             holder = module.get_submodule(n.rpartition(".")[0])

@@ -34,6 +34,8 @@ from typing import Callable, List, Optional
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import empty_param
+
 # meta param -> the Parameter that replaced it: a param tied across units (a head sharded on its own,
 # tied to the root's embedding) is materialised by the first unit; later units take the same one.
 _DONE = WeakIdKeyDictionary()
@@ -118,7 +120,8 @@ def materialize(module: torch.nn.Module, device: torch.device, init: Optional[Ca
         inner_versions = [p._version for _, p, _, _ in inner]
         with torch.no_grad():
             if init is not None:
-                init(module)
+                with empty_param.let_through():  # its writes to inner units' empty params: checked below
+                    init(module)
             else:
                 for m in scope:
                     if id(m) in owners and hasattr(m, "reset_parameters"):

@@ -297,7 +297,14 @@ class Stage3Runtime:
         holder.register_forward_pre_hook(pre)
         holder.register_forward_hook(post, always_call=True)
 
+    def _note_create_graph(self) -> None:
+        """Called from autograd's hooks, where grad mode is the backward's create_graph (not from a
+        checkpoint's recompute, which turns grad mode on itself): [Note: double backward]."""
+        if torch.is_grad_enabled():
+            self._keep_for_graph = True
+
     def _gather_for_backward(self, up) -> None:
+        self._note_create_graph()
         self._queue_end_of_backward()
         up.unshard()
 
@@ -397,13 +404,12 @@ class Stage3Runtime:
 
     def _queue_end_of_backward(self) -> None:
         self._iteration_ends()
-        if torch.is_grad_enabled():  # inside backward, grad mode is create_graph's
-            self._keep_for_graph = True
         if not self._end_queued:
             self._end_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _pre_backward(self, up) -> None:
+        self._note_create_graph()
         self._queue_end_of_backward()
         up.unshard()
         nxt = self._next(self.backward_order, up)

@@ -28,6 +28,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from . import empty_param
 from .bucket import GradBucket
 from .layout import plan_layout
 from .sharded_grad import CONSUMED, ZERO, ShardedGrad
@@ -216,6 +217,7 @@ class FlatParams:
                 self.check_untouched(i)
                 self.check_moved(i)  # model.to(dtype) between gathers cast only the empty placeholder
                 self.empty_versions[i] = None
+                empty_param.mark_full(p)
                 p.data = self.param_bufs.view(i, self.shapes[i])
                 self.ptrs[i] = p.data_ptr()
 
@@ -227,6 +229,7 @@ class FlatParams:
                 p.data = placeholder
                 self.ptrs[i] = p.data_ptr()
                 self.empty_versions[i] = p._version
+                empty_param.mark_empty(p, self, i)  # [Note: reads between gathers]
 
     def forget_empty_write(self, i: int) -> None:
         """A write to params[i] while sharded that is known to mean nothing (a root's init of

@@ -1,0 +1,99 @@
+"""A stage-3 param between gathers refuses to be computed with, naming itself and the fix.
+
+[Note: reads between gathers] Between its unit's forward and backward a stage-3 param holds an
+empty tensor ([Note: stage-3 params]). Code that reads it there (hidden states from a method that
+is not a forward, `x @ model.head.weight.t()` with the head never called, an L2 term summed over
+the params) used to fail on torch's shape checks ("vec (0)", "PowBackward0 returned an invalid
+gradient ... got [0]"), or worse, silently added 0 (the sum of an empty tensor). So while the
+unit is sharded each param's class is swapped for a subclass of its own whose __torch_function__
+lets through what reads no values (shape and dtype queries, .data and .grad, detach, to() and
+the rest of what Module._apply, state_dict() and copying do) and raises for anything else. The
+swap is two attribute writes per param per gather; a gathered param is its own class again, so a
+forward pays nothing.
+"""
+
+import weakref
+from contextlib import contextmanager
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+# Methods that read no values of the param (or, as to() and detach(), hand on the empty tensor
+# to code that checks it later: check_moved at the next gather).
+_ALLOWED = {
+    "size", "dim", "ndimension", "numel", "nelement", "stride", "storage_offset", "is_contiguous", "data_ptr",
+    "element_size", "is_floating_point", "is_complex", "is_signed", "get_device", "untyped_storage", "_typed_storage",
+    "storage", "_is_view", "is_pinned", "is_shared", "share_memory_", "detach", "detach_", "requires_grad_",
+    "retain_grad", "register_hook", "register_post_accumulate_grad_hook", "_register_post_accumulate_grad_hook",
+    "__repr__", "__format__", "__reduce_ex__", "__deepcopy__", "__setstate__", "__hash__", "__len__", "_version",
+    "to", "cpu", "cuda", "type", "float", "half", "bfloat16", "double", "_has_compatible_shallow_copy_type",
+    "is_set_to", "_is_zerotensor", "_fix_weakref", "__dlpack_device__", "_nested_tensor_size", "dim_order",
+    "__get__", "__set__", "__delete__", "_make_subclass", "module_load",
+}
+
+_WHERE = WeakIdKeyDictionary()  # param -> (weakref to its FlatParams, its index there)
+_CLASSES = {}  # a param class -> its sharded subclass
+_passing = [0]  # > 0: everything goes through (a root's init at shard(), checked there afterwards)
+
+
+@contextmanager
+def let_through():
+    """Computing with empty params is let through (a root's init= at shard() writes to the units
+    inside it; materialize.py checks those writes by their version counters afterwards)."""
+    _passing[0] += 1
+    try:
+        yield
+    finally:
+        _passing[0] -= 1
+
+
+def _refuse(func, param):
+    flat_ref, i = _WHERE.get(param, (lambda: None, 0))
+    flat = flat_ref()
+    name = flat.names[i] if flat is not None else "a stage-3 param"
+    op = getattr(func, "__name__", str(func))
+    if op.endswith("_") and not op.startswith("_"):  # in place: clamp_, copy_, an nn.init call
+        return RuntimeError(
+            f"zerokern: {name} was changed in place ({op}) outside its unit's forward and backward, where at "
+            "stage 3 it holds no values (each rank keeps its slice), so the change would do nothing. To set new "
+            "weights between steps, load them: model.load_state_dict(sd) takes whole tensors into the shards")
+    return RuntimeError(
+        f"zerokern: {name} was used ({op}) outside its unit's forward and backward, where at stage 3 it holds no "
+        "values (each rank keeps its slice). Use it inside a forward: call the module (model.head(x), not "
+        "x @ model.head.weight.t()), add a penalty over params in their unit's forward (or use weight_decay), and "
+        "read weights between steps with zerokern.full_state_dict(model)")
+
+
+def _sharded_class(cls):
+    sub = _CLASSES.get(cls)
+    if sub is None:
+        def __torch_function__(klass, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", "")
+            if name not in _ALLOWED and not _passing[0]:
+                for a in list(args) + list((kwargs or {}).values()):
+                    if type(a) in _CLASSES.values():
+                        raise _refuse(func, a)
+                    if isinstance(a, (list, tuple)):  # torch.cat([w, ...]), torch._foreach_*
+                        for x in a:
+                            if type(x) in _CLASSES.values():
+                                raise _refuse(func, x)
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        sub = _CLASSES[cls] = type(f"Sharded{cls.__name__}", (cls,), {
+            "__torch_function__": classmethod(__torch_function__),
+            "__doc__": "A stage-3 param between gathers ([Note: reads between gathers] in zero/empty_param.py)."})
+    return sub
+
+
+def mark_empty(param: torch.Tensor, flat, i: int) -> None:
+    """param now holds its empty placeholder: computing with it raises, naming flat.names[i]."""
+    if isinstance(param, torch.nn.Parameter) and type(param) not in _CLASSES.values():
+        _WHERE[param] = (weakref.ref(flat), i)
+        param.__class__ = _sharded_class(type(param))
+
+
+def mark_full(param: torch.Tensor) -> None:
+    """param views its gathered values again: its own class back."""
+    cls = type(param)
+    if cls in _CLASSES.values():
+        param.__class__ = cls.__mro__[1]

@@ -112,7 +112,8 @@ def main():
         mp.start_processes(_rank, args=(2, tmp, args.rounds, out), nprocs=2, start_method="spawn")
         with open(out) as f:
             res = json.load(f)
-    H.print_table(res["rows"], ["case", "check", "median_ms", "p25_ms", "p75_ms", "n"])
+    H.print_table(res["rows"], [("case", "case", "{}"), ("check", "check", "{}"), ("median_ms", "median ms", "{:.3f}"),
+                                ("p25_ms", "p25", "{:.3f}"), ("p75_ms", "p75", "{:.3f}"), ("n", "n", "{}")])
     print("collectives per step:", res["collectives_per_step"])
     med = {(r["case"], r["check"]): r["median_ms"] for r in res["rows"]}
     for s in (2, 3):

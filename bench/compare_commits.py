@@ -3,6 +3,8 @@
     git worktree add /tmp/old <commit> && (cd /tmp/old && python setup.py build_ext --inplace)
     python bench/compare_commits.py --old /tmp/old --repeats 5 zero_step --sizes 1e6,1e7 --rounds 10
     python bench/compare_commits.py --old /tmp/old --repeats 5 overlap --layers 12 --steps 8
+    python bench/compare_commits.py --old /tmp/old --repeats 3 train_step --variants zerokern-s2,zerokern-s3
+    python bench/compare_commits.py --old /tmp/old --repeats 3 host_overhead --counts 1,200
 
 Runs bench/<name>.py from each tree in its own process (PYTHONPATH = that
 tree), alternating old/new and new/old so drift hits both alike, collects the
@@ -36,7 +38,16 @@ def _overlap(doc):
     return out
 
 
-EXTRACT = {"zero_step": _zero_step, "overlap": _overlap}
+def _train_step(doc):
+    return {f"{r['variant']} {r['dtype']} step ms": r["median_ms"] for r in doc["results"]["steps"]
+            if r["variant"].startswith("zerokern")}
+
+
+def _host_overhead(doc):
+    return {f"{r['path']}, {r['params']} params, us": r["median_us"] for r in doc["results"]}
+
+
+EXTRACT = {"zero_step": _zero_step, "overlap": _overlap, "train_step": _train_step, "host_overhead": _host_overhead}
 
 
 def run_once(tree, name, extra, tmp, tag):

@@ -198,3 +198,22 @@ def params_read_outside_forward(rank, world):
     opt.step()
     out["trained"] = all(t.isfinite().all() for u in opt.units for f in u.flat for t in f.param_shards)
     return out
+
+
+def compiled_matches_eager(rank, world):
+    """torch.compile over a stage-3 model: dynamo traces the units' hooks and inspects the params
+    while they are sharded (their swapped class, [Note: reads between gathers])."""
+    losses = {}
+    for compiled in (False, True):
+        model = _shard3(_mlp())
+        opt = FusedZeroAdam(model.parameters(), lr=1e-2)
+        run = torch.compile(model) if compiled else model
+        gen = torch.Generator().manual_seed(1 + rank)
+        losses[compiled] = []
+        for _ in range(3):
+            loss = run(torch.randn(4, 8, generator=gen)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[compiled].append(loss.item())
+    return losses

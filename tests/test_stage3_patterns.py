@@ -49,3 +49,8 @@ def test_params_read_outside_a_forward_name_zerokern_the_param_and_the_fix():
             assert "call the module" in r[what] and "full_state_dict" in r[what], r[what]
         assert r["shapes"] == [(0,)] * 4 and r["keys"] == ["body.bias", "body.weight", "head.bias", "head.weight"]
         assert r["trained"]
+
+
+def test_torch_compile_at_stage3_gives_eager_losses():
+    for r in dist_harness.values(dist_harness.run(W.compiled_matches_eager, 2, timeout=300)):
+        assert r[True] == r[False], r

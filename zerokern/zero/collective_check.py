@@ -9,27 +9,41 @@ gloo aborts the process ("Received data size doesn't match expected size", SIGAB
 exception), NCCL hangs, and two buffers of the same size silently add up unrelated grads. So
 before each collective every rank all-reduces (MAX) one small ticket, [v, -v] for v = (its
 sequence number, a checksum of the collective's name, shape and dtype), over a gloo group of
-its own: every rank's v is equal exactly when max(v) == -max(-v). Only then does the real
-collective launch, so a data collective always meets its partner. On a mismatch every rank
+its own: every rank's v is equal exactly when max(v) == -max(-v). Only then is the real
+collective launched, so a data collective always meets its partner. On a mismatch every rank
 gathers what each was at and raises the same error. As torch's TORCH_DISTRIBUTED_DEBUG=DETAIL
 (ProcessGroupWrapper) checks collectives, but with one all-reduce of 16 bytes and the unit or
 bucket named, on by default.
 
-The group is gloo on the CPU, its own: it never queues behind the data collectives in flight
-(gloo runs one group's work on a few threads, in order) and never waits for the GPU (an NCCL
-check would cost a device sync per collective). Its timeout bounds the wait for a rank that
-reaches no collective at all (stuck in its own code, or gone): ZEROKERN_COLLECTIVE_TIMEOUT
-seconds (600 by default, NCCL's); a rank that exits makes the others' wait fail at once.
-ZEROKERN_CHECK_COLLECTIVES=0 turns the check off (one host round trip per collective saved; a
-mismatch is then a hang or an abort again).
+Who waits: announcing on the calling thread made each rank wait at every collective for the
+slowest one (lockstep), which cost 30-45% of a 2-rank CPU training step (bench/train_step.py).
+So the caller only queues the collective and gets a Work back at once; one thread per group
+announces and launches the queue in order, and Work.wait() waits for the launch and then the
+collective, as before. The launch moves off the caller's thread, so zerokern's collectives get a
+process group of their own (the same ranks and backend): a user's collective on the group
+(a logged loss, generate's synced_gpus flag, DCP) could otherwise be launched between two of
+ours on one rank and not on another. On a GPU the caller's stream is marked at the queueing (an
+event) and the launch makes a side stream wait for that mark only, so a reduction waits for the
+grads it reduces and not for the compute queued after them.
+
+The announcements go over gloo on the CPU: they never queue behind the data collectives in
+flight and never wait for the GPU. The group's timeout bounds the wait for a rank that reaches no
+collective at all (stuck in its own code, or gone): ZEROKERN_COLLECTIVE_TIMEOUT seconds (600 by
+default, NCCL's); a rank that exits makes the others' wait fail at once.
+ZEROKERN_CHECK_COLLECTIVES=0 turns all of this off (zerokern's collectives are launched on the
+calling thread, on the user's group; a mismatch is then a hang or an abort again).
 """
 
 import os
+import queue
+import threading
 import zlib
+from contextlib import nullcontext
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 
 class CollectiveMismatch(RuntimeError):
@@ -53,8 +67,35 @@ _HINT = ("Every rank must make the same zerokern calls and run the same units, i
          "result on rank 0), and pass synced_gpus=True to generate().")
 
 
+class _Queued:
+    """A collective the check's thread launches once every rank announced it; Work-like."""
+
+    def __init__(self):
+        self._ready = threading.Event()
+        self._work = None
+        self._error = None
+
+    def _launched(self, work) -> None:
+        self._work = work
+        self._ready.set()
+
+    def _failed(self, error) -> None:
+        self._error = error
+        self._ready.set()
+
+    def wait(self):
+        self._ready.wait()
+        if self._error is not None:
+            raise type(self._error)(*self._error.args)
+        return self._work.wait()
+
+    def is_completed(self) -> bool:
+        return self._ready.is_set() and (self._error is not None or self._work.is_completed())
+
+
 class CollectiveCheck:
-    """The announcements of one process group: its own gloo group and the sequence number."""
+    """The announcements of one process group: their gloo group, the group zerokern's own
+    collectives run on, the sequence number, and the thread that launches in order."""
 
     def __init__(self, group):
         self.group = group
@@ -62,34 +103,81 @@ class CollectiveCheck:
         self.world_size = dist.get_world_size(group)
         self.timeout = _timeout()
         ranks = dist.get_process_group_ranks(group)
-        # Local synchronization: only the group's members create it (a sub-group's other ranks
-        # never make a zerokern Comm for it). WORLD's check is made by everyone anyway.
+        # Local synchronization: only the group's members create them (a sub-group's other ranks
+        # never make a zerokern Comm for it). WORLD's are made by everyone anyway.
+        local = group is not dist.group.WORLD
         self.control = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=self.timeout),
-                                      use_local_synchronization=group is not dist.group.WORLD)
+                                      use_local_synchronization=local)
+        self.data = dist.new_group(ranks, backend=dist.get_backend(group), use_local_synchronization=local)
         self.seq = 0
+        self._queue = queue.SimpleQueue()
+        self._error = None  # the first failure: every later collective fails with it
+        self._thread = None
+        self._side = {}  # CUDA device index -> the stream launches are made on
 
-    def announce(self, name: str, tensor=None) -> None:
-        """Wait until every rank announced this collective; raise alike on every rank if one
-        announced another."""
+    def submit(self, name: str, tensor, launch):
+        """Queue launch() (which starts the collective on self.data and returns its Work) behind
+        its announcement; the Work-like answer waits for both."""
+        if self._error is not None:
+            raise type(self._error)(*self._error.args)
         self.seq += 1
         what = name if tensor is None else f"{name} {tuple(tensor.shape)} {tensor.dtype}"
-        v = ((self.seq % (1 << 30)) << 32) | zlib.crc32(what.encode())
+        mark = None
+        if tensor is not None and tensor.is_cuda:
+            mark = torch.cuda.Event()
+            mark.record(torch.cuda.current_stream(tensor.device))
+        queued = _Queued()
+        self._queue.put((self.seq, what, name, launch, tensor.device if mark is not None else None, mark, queued))
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"zerokern-collectives-{id(self)}", daemon=True)
+            self._thread.start()
+        return queued
+
+    def _run(self) -> None:
+        while True:
+            seq, what, name, launch, device, mark, queued = self._queue.get()
+            if self._error is not None:
+                queued._failed(self._error)
+                continue
+            try:
+                self._announce(seq, what)
+                with self._stream(device, mark), record_function(f"zerokern::{name}"):
+                    queued._launched(launch())
+            except BaseException as e:  # noqa: BLE001  handed to the waiter, and to every later collective
+                self._error = e if isinstance(e, CollectiveMismatch) else CollectiveMismatch(
+                    f"zerokern (rank {self.rank}): launching #{seq} {what} failed: {type(e).__name__}: {e}")
+                queued._failed(self._error)
+
+    def _stream(self, device, mark):
+        """A side stream that waits for the caller's stream as it was at the queueing only."""
+        if mark is None:
+            return nullcontext()
+        side = self._side.get(device.index)
+        if side is None:
+            side = self._side[device.index] = torch.cuda.Stream(device)
+        side.wait_event(mark)
+        return torch.cuda.stream(side)
+
+    def _announce(self, seq: int, what: str) -> None:
+        """Wait until every rank announced this collective; raise alike on every rank if one
+        announced another."""
+        v = ((seq % (1 << 30)) << 32) | zlib.crc32(what.encode())
         ticket = torch.tensor([v, -v], dtype=torch.int64)
-        self._run(lambda: dist.all_reduce(ticket, op=dist.ReduceOp.MAX, group=self.control), what)
+        self._call(lambda: dist.all_reduce(ticket, op=dist.ReduceOp.MAX, group=self.control), seq, what)
         if int(ticket[0]) == -int(ticket[1]):
             return
         everyone = [None] * self.world_size
-        self._run(lambda: dist.all_gather_object(everyone, (self.seq, what), group=self.control), what)
+        self._call(lambda: dist.all_gather_object(everyone, (seq, what), group=self.control), seq, what)
         raise CollectiveMismatch(
             "zerokern: the ranks reached different collectives, which cannot pair: "
             + "; ".join(f"rank {r} at #{s} {w}" for r, (s, w) in enumerate(everyone)) + ". " + _HINT)
 
-    def _run(self, op, what) -> None:
+    def _call(self, op, seq, what) -> None:
         try:
             op()
         except RuntimeError as e:
             raise CollectiveMismatch(
-                f"zerokern (rank {self.rank}): waiting for the other ranks to reach #{self.seq} {what} failed "
+                f"zerokern (rank {self.rank}): waiting for the other ranks to reach #{seq} {what} failed "
                 f"({str(e).splitlines()[0][:160]}): a rank stopped, raised, or waits elsewhere (timeout "
                 f"{self.timeout:g} s, ZEROKERN_COLLECTIVE_TIMEOUT). " + _HINT) from None
 

@@ -15,7 +15,6 @@ backward. On CPUs, gloo runs them on its own threads and wait() blocks.
 
 import os
 import time
-from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -78,18 +77,22 @@ class Comm:
     def distributed(self):
         return self.world_size > 1
 
-    def _label(self, name, tensor=None):
-        """Every collective enters here once: labelled for the profiler, and announced to the
-        other ranks first ([Note: announced collectives])."""
+    def _launch(self, name, tensor, start):
+        """Every collective enters here once: start(group) launches it (async) on `group` and
+        returns its Work. With the check on, it is announced to the other ranks first and
+        launched, in order, by the check's thread on zerokern's own group ([Note: announced
+        collectives]); the Work returned waits for both. Labelled for the profiler."""
         if not dist.is_initialized():
             # Without this check a step after destroy_process_group() still runs its
             # collectives on the shut-down group (torch keeps the object alive).
             raise RuntimeError(f"zerokern: {name} on rank {self.rank}: torch.distributed's process groups were "
                                "destroyed (dist.destroy_process_group()), but this optimizer still shards over "
                                "one; build a new optimizer after init_process_group()")
-        if self.distributed and self.check is not None:
-            self.check.announce(name, tensor)
-        return record_function(f"zerokern::{name}") if self.distributed else nullcontext()
+        if self.check is not None:
+            data = self.check.data
+            return self.check.submit(name, tensor, lambda: start(data))
+        with record_function(f"zerokern::{name}"):
+            return start(self.group)
 
     def reduce_scatter(self, output, input, name="reduce_scatter"):
         """Async SUM reduce-scatter of `input` (world_size * output.numel()) into `output`."""
@@ -97,21 +100,19 @@ class Comm:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return _Done()
-        with self._label(name, input):
-            return _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return self._launch(name, input, lambda g: _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=g,
+                                                                    async_op=True))
 
     def all_reduce(self, tensor, op=dist.ReduceOp.SUM, name="all_reduce"):
         if not self.distributed:
             return _Done()
-        with self._label(name, tensor):
-            return dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
+        return self._launch(name, tensor, lambda g: dist.all_reduce(tensor, op=op, group=g, async_op=True))
 
     def all_gather(self, output, input, name="all_gather"):
         """Async all-gather of every rank's `input` into `output` (input may be output's own slice)."""
         if not self.distributed:
             return _Done()
-        with self._label(name, output):
-            return _all_gather(output, input, group=self.group, async_op=True)
+        return self._launch(name, output, lambda g: _all_gather(output, input, group=g, async_op=True))
 
     def _global_rank(self, group_rank):
         return dist.get_global_rank(self.group, group_rank) if self.group is not dist.group.WORLD else group_rank
@@ -120,8 +121,8 @@ class Comm:
         """Async broadcast of `tensor` from group rank `src_rank`."""
         if not self.distributed:
             return _Done()
-        with self._label(name, tensor):
-            return dist.broadcast(tensor, src=self._global_rank(src_rank), group=self.group, async_op=True)
+        src = self._global_rank(src_rank)
+        return self._launch(name, tensor, lambda g: dist.broadcast(tensor, src=src, group=g, async_op=True))
 
     def wait(self, work):
         t0 = time.perf_counter()
@@ -164,8 +165,11 @@ class Comm:
         if not self.distributed:
             return [obj]
         out = [None] * self.world_size
-        with self._label(name):
-            dist.all_gather_object(out, obj, group=self.group)
+
+        def start(group):
+            dist.all_gather_object(out, obj, group=group)
+            return _Done()
+        self.wait(self._launch(name, None, start))
         return out
 
 

@@ -69,7 +69,10 @@ def _sharded_class(cls):
     if sub is None:
         def __torch_function__(klass, func, types, args=(), kwargs=None):
             name = getattr(func, "__name__", "")
-            if name not in _ALLOWED and not _passing[0]:
+            # dynamo's tracing inspects params (is_conj, fake copies) and runs zerokern's hooks:
+            # left to it (a compiled graph that computes with an empty param fails on its shape)
+            if (name not in _ALLOWED and not name.startswith(("is_", "_is_")) and not _passing[0]
+                    and not torch.compiler.is_compiling()):
                 for a in list(args) + list((kwargs or {}).values()):
                     if type(a) in _CLASSES.values():
                         raise _refuse(func, a)
@@ -79,8 +82,10 @@ def _sharded_class(cls):
                                 raise _refuse(func, x)
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
+        # run eagerly, never traced: dynamo inlining it lost the DisableTorchFunctionSubclass
+        # guard below and recursed
         sub = _CLASSES[cls] = type(f"Sharded{cls.__name__}", (cls,), {
-            "__torch_function__": classmethod(__torch_function__),
+            "__torch_function__": classmethod(torch._dynamo.disable(__torch_function__)),
             "__doc__": "A stage-3 param between gathers ([Note: reads between gathers] in zero/empty_param.py)."})
     return sub
 

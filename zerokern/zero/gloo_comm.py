@@ -61,11 +61,10 @@ class GlooComm(Comm):
 
     def reduce_scatter(self, output, input, name="reduce_scatter"):
         if self.exchange_reduce and output.is_contiguous():
-            with self._label(name, input):
-                return self._exchange(output, input)
+            return self._launch(name, input, lambda g: self._exchange(output, input, g))
         return super().reduce_scatter(output, input, name)
 
-    def _exchange(self, output, input):
+    def _exchange(self, output, input, group):
         """[Note: reduce-scatter as an exchange] On 2 gloo ranks, reduce_scatter_tensor takes 97 ms
         for 17M floats and all_reduce 60 ms, but sending the peer its half and receiving ours
         (then one add) 38 ms (bench/train_step.py --collectives): each rank moves half the
@@ -73,17 +72,18 @@ class GlooComm(Comm):
         of two values does not depend on their order, so both ranks' results are what an
         all-reduce would give."""
         n, peer = output.numel(), 1 - self.rank
-        tag = next(_TAGS.setdefault(self.group, itertools.count())) % (1 << 30)
-        works = [dist.isend(input[peer * n:(peer + 1) * n], self._global_rank(peer), group=self.group, tag=tag),
-                 dist.irecv(output, self._global_rank(peer), group=self.group, tag=tag)]
+        tag = next(_TAGS.setdefault(group, itertools.count())) % (1 << 30)
+        works = [dist.isend(input[peer * n:(peer + 1) * n], self._global_rank(peer), group=group, tag=tag),
+                 dist.irecv(output, self._global_rank(peer), group=group, tag=tag)]
         return _SumOnWait(works, output, input[self.rank * n:(self.rank + 1) * n])
 
     def all_gather(self, output, input, name="all_gather"):
         if self._gathers_by_broadcast(output, input):
-            with self._label(name, output):
-                n = input.numel()
-                return _AllOf([dist.broadcast(output[r * n:(r + 1) * n], src=self._global_rank(r), group=self.group,
-                                              async_op=True) for r in range(self.world_size)])
+            n = input.numel()
+            srcs = [self._global_rank(r) for r in range(self.world_size)]
+            return self._launch(name, output, lambda g: _AllOf([
+                dist.broadcast(output[r * n:(r + 1) * n], src=srcs[r], group=g, async_op=True)
+                for r in range(self.world_size)]))
         return super().all_gather(output, input, name)
 
     def _gathers_by_broadcast(self, output, input):

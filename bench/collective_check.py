@@ -3,10 +3,11 @@ zerokern/zero/collective_check.py), on 2 gloo ranks of this machine.
 
     python bench/collective_check.py [--rounds 15] [--json out.json]
 
-Three numbers, each with the check on and off, interleaved round by round in one run (the check
-is switched by replacing CollectiveCheck.announce with a no-op for the "off" rounds):
-- one announcement alone (the 16-byte all-reduce on the check's own gloo group), per call;
-- a small all-reduce on the training group (4 floats): the smallest collective a step makes;
+Each case with the check on and off, interleaved round by round in one run. "Off" is what
+ZEROKERN_CHECK_COLLECTIVES=0 gives: the rounds swap each Comm's check for None, so collectives are
+launched on the calling thread, on the user's group, unannounced.
+- a small all-reduce through zerokern's Comm (4 floats), launched and waited for: the latency of
+  the smallest collective a step makes, announcement and thread hand-off included;
 - a training step (forward, backward, step) of a 4-block MLP at stages 2 and 3, bucket_cap_mb
   small enough that each step makes a few dozen collectives.
 Medians and the 25th-75th percentiles, in ms, per rank 0.
@@ -15,7 +16,6 @@ Medians and the 25th-75th percentiles, in ms, per rank 0.
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -43,17 +43,16 @@ def _model(stage):
 
 def _rank(rank, world, tmp, rounds, out_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
-    from zerokern.zero import collective_check
-    models = {s: _model(s) for s in (2, 3)}
-    x = torch.randn(32, 256)
-    check = collective_check.for_group(dist.group.WORLD)
-    real = collective_check.CollectiveCheck.announce
-    small = torch.zeros(4)
-    count = {"n": 0}
+    import gc
 
-    def counting(self, name, tensor=None):
-        count["n"] += 1
-        return real(self, name, tensor)
+    from zerokern.zero import collective_check
+    from zerokern.zero.comm import Comm, make_comm
+    models = {s: _model(s) for s in (2, 3)}
+    comm = make_comm()
+    x = torch.randn(32, 256)
+    small = torch.zeros(4)
+    check = collective_check.for_group(dist.group.WORLD)
+    comms = [o for o in gc.get_objects() if isinstance(o, Comm)]  # every Comm the models made, and ours
 
     def step(stage):
         model, opt = models[stage]
@@ -61,41 +60,38 @@ def _rank(rank, world, tmp, rounds, out_path):
         opt.step()
         opt.zero_grad()
 
-    cases = {
-        "announce alone (per call)": lambda: [real(check, "bench") for _ in range(100)],
-        "all_reduce of 4 floats (per call)": lambda: [dist.all_reduce(small) for _ in range(100)],
-        "stage 2 train step": lambda: step(2),
-        "stage 3 train step": lambda: step(3),
-    }
-    per_call = {"announce alone (per call)": 100, "all_reduce of 4 floats (per call)": 100}
-    collective_check.CollectiveCheck.announce = counting
-    step(2), step(3)  # warm up; count the collectives of one step each
-    count["n"] = 0
+    def small_all_reduces():
+        for _ in range(100):
+            comm.wait(comm.all_reduce(small, name="bench"))
+
+    cases = {"all_reduce of 4 floats (per call)": small_all_reduces,
+             "stage 2 train step": lambda: step(2), "stage 3 train step": lambda: step(3)}
+    per_call = {"all_reduce of 4 floats (per call)": 100}
+    step(2), step(3)  # warm up
+    seq0 = check.seq
     step(2)
-    n2 = count["n"]
-    count["n"] = 0
+    n2 = check.seq - seq0
     step(3)
-    n3 = count["n"]
+    n3 = check.seq - seq0 - n2
     times = {(c, on): [] for c in cases for on in (True, False)}
     for r in range(rounds):
         for on in ((True, False) if r % 2 == 0 else (False, True)):
-            collective_check.CollectiveCheck.announce = real if on else (lambda self, name, tensor=None: None)
+            for c in comms:
+                c.check = check if on else None
             for c, fn in cases.items():
-                if c.startswith("announce") and not on:
-                    continue
                 dist.barrier()
                 t0 = time.perf_counter()
                 fn()
                 times[(c, on)].append((time.perf_counter() - t0) / per_call.get(c, 1))
-    collective_check.CollectiveCheck.announce = real
+    for c in comms:
+        c.check = check
     if rank == 0:
         rows = []
         for c in cases:
             for on in (True, False):
-                if times[(c, on)]:
-                    s = H.summary(times[(c, on)])
-                    rows.append({"case": c, "check": "on" if on else "off", **{k: round(v, 4) if isinstance(v, float)
-                                                                              else v for k, v in s.items()}})
+                s = H.summary(times[(c, on)])
+                rows.append({"case": c, "check": "on" if on else "off",
+                             **{k: round(v, 4) if isinstance(v, float) else v for k, v in s.items()}})
         with open(out_path, "w") as f:
             json.dump({"rows": rows, "collectives_per_step": {"stage 2": n2, "stage 3": n3}}, f)
     dist.barrier()

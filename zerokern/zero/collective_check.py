@@ -122,12 +122,15 @@ class CollectiveCheck:
             raise type(self._error)(*self._error.args)
         self.seq += 1
         what = name if tensor is None else f"{name} {tuple(tensor.shape)} {tensor.dtype}"
-        mark = None
+        mark = device = None
         if tensor is not None and tensor.is_cuda:
+            device = tensor.device
             mark = torch.cuda.Event()
-            mark.record(torch.cuda.current_stream(tensor.device))
+            mark.record(torch.cuda.current_stream(device))
+        elif torch.cuda.is_initialized():  # the current device is per thread (NCCL's object gathers use it)
+            device = torch.device("cuda", torch.cuda.current_device())
         queued = _Queued()
-        self._queue.put((self.seq, what, name, launch, tensor.device if mark is not None else None, mark, queued))
+        self._queue.put((self.seq, what, name, launch, device, mark, queued))
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=f"zerokern-collectives-{id(self)}", daemon=True)
             self._thread.start()
@@ -149,9 +152,12 @@ class CollectiveCheck:
                 queued._failed(self._error)
 
     def _stream(self, device, mark):
-        """A side stream that waits for the caller's stream as it was at the queueing only."""
-        if mark is None:
+        """The caller's CUDA device, and a side stream that waits for the caller's stream as it
+        was at the queueing only."""
+        if device is None:
             return nullcontext()
+        if mark is None:
+            return torch.cuda.device(device)
         side = self._side.get(device.index)
         if side is None:
             side = self._side[device.index] = torch.cuda.Stream(device)

@@ -11,6 +11,9 @@ on the current stream (so a bucket's grads are complete), and Work.wait()
 makes the current stream wait for them without blocking the host. That NCCL
 stream is the "side stream" that overlaps reductions with the rest of
 backward. On CPUs, gloo runs them on its own threads and wait() blocks.
+With the collective check on ([Note: announced collectives]), the launch happens later, on the
+check's thread: it makes a side stream wait for an event recorded on the caller's stream when
+the collective was queued, and launches from that side stream, so the ordering is the same.
 """
 
 import os

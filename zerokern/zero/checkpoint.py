@@ -83,7 +83,8 @@ def _params(opt):
 def _slices(opt):
     """{global param index: (start in the flattened param, numel)} of this rank's slices."""
     index = {p: k for k, p in enumerate(_params(opt))}
-    return {index[opt._trainable[t]]: (start, n) for pieces in opt._pieces for t, _, n, start in pieces}
+    engine = opt.engine  # the layout of every store: the trainable params and this rank's pieces of them
+    return {index[engine.trainable[t]]: (start, n) for pieces in engine.pieces for t, _, n, start in pieces}
 
 
 def shard_state_dict(opt):

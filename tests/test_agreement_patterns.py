@@ -48,3 +48,13 @@ def test_full_state_dict_on_rank0_only_is_refused_and_corrupts_nothing():
     assert not outs[0]["got_dict"], "no dict of stale bytes is handed out"
     for r, out in enumerate(outs):
         assert out["untouched"], f"rank {r}'s params changed after the refused call"
+
+
+def test_the_collective_timeout_is_validated(monkeypatch):
+    from zerokern.zero import collective_check
+    for bad in ("abc", "0", "-5"):
+        monkeypatch.setenv("ZEROKERN_COLLECTIVE_TIMEOUT", bad)
+        with pytest.raises(ValueError, match="ZEROKERN_COLLECTIVE_TIMEOUT"):
+            collective_check._timeout()
+    monkeypatch.setenv("ZEROKERN_COLLECTIVE_TIMEOUT", "2.5")
+    assert collective_check._timeout() == 2.5

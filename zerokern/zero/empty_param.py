@@ -33,6 +33,7 @@ _ALLOWED = {
 
 _WHERE = WeakIdKeyDictionary()  # param -> (weakref to its FlatParams, its index there)
 _CLASSES = {}  # a param class -> its sharded subclass
+_SHARDED = set()  # those subclasses
 _passing = [0]  # > 0: everything goes through (a root's init at shard(), checked there afterwards)
 
 
@@ -74,12 +75,9 @@ def _sharded_class(cls):
             if (name not in _ALLOWED and not name.startswith(("is_", "_is_")) and not _passing[0]
                     and not torch.compiler.is_compiling()):
                 for a in list(args) + list((kwargs or {}).values()):
-                    if type(a) in _CLASSES.values():
-                        raise _refuse(func, a)
-                    if isinstance(a, (list, tuple)):  # torch.cat([w, ...]), torch._foreach_*
-                        for x in a:
-                            if type(x) in _CLASSES.values():
-                                raise _refuse(func, x)
+                    for x in (a if isinstance(a, (list, tuple)) else (a,)):  # torch.cat([w, ...]), _foreach_*
+                        if type(x) in _SHARDED:
+                            raise _refuse(func, x)
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
         # run eagerly, never traced: dynamo inlining it lost the DisableTorchFunctionSubclass
@@ -87,18 +85,20 @@ def _sharded_class(cls):
         sub = _CLASSES[cls] = type(f"Sharded{cls.__name__}", (cls,), {
             "__torch_function__": classmethod(torch._dynamo.disable(__torch_function__)),
             "__doc__": "A stage-3 param between gathers ([Note: reads between gathers] in zero/empty_param.py)."})
+        _SHARDED.add(sub)
     return sub
 
 
 def mark_empty(param: torch.Tensor, flat, i: int) -> None:
     """param now holds its empty placeholder: computing with it raises, naming flat.names[i]."""
-    if isinstance(param, torch.nn.Parameter) and type(param) not in _CLASSES.values():
-        _WHERE[param] = (weakref.ref(flat), i)
+    if isinstance(param, torch.nn.Parameter) and type(param) not in _SHARDED:
+        if param not in _WHERE:  # a param stays at its place in its FlatParams
+            _WHERE[param] = (weakref.ref(flat), i)
         param.__class__ = _sharded_class(type(param))
 
 
 def mark_full(param: torch.Tensor) -> None:
     """param views its gathered values again: its own class back."""
     cls = type(param)
-    if cls in _CLASSES.values():
+    if cls in _SHARDED:
         param.__class__ = cls.__mro__[1]

@@ -214,10 +214,10 @@ class FlatParams:
         """The unit was gathered: each param's data is its view of the full buffer again."""
         with torch.no_grad():
             for i, p in enumerate(self.params):
+                empty_param.mark_full(p)  # first: the checks' reads then skip its __torch_function__
                 self.check_untouched(i)
                 self.check_moved(i)  # model.to(dtype) between gathers cast only the empty placeholder
                 self.empty_versions[i] = None
-                empty_param.mark_full(p)
                 p.data = self.param_bufs.view(i, self.shapes[i])
                 self.ptrs[i] = p.data_ptr()
 

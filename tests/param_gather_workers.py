@@ -120,7 +120,7 @@ def against_waiting_and_adamw(rank, world, stage, cap_mb, steps=6, layers=3):
     seen = []
     # after the hooks of zerokern: what block 0 sees of the last block's gathers when it runs
     model.blocks[0].ln.register_forward_pre_hook(
-        lambda *_: seen.append([opt.param_gather.state[k].name for k in last]))
+        lambda *_: seen.append([opt.param_gather.buckets[k].state.name for k in last]))
     for step in range(steps):
         idx = _data(step, world)
         mine = idx[rank * BATCH:(rank + 1) * BATCH]

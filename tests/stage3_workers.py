@@ -92,6 +92,9 @@ def train(rank, world, dtype="float32", ckpt=None, reshard_after_forward=True, a
            "after_step": [], "param_shapes_between": None, "nbytes_between": [], "nbytes_full": None}
     units = _mine(opt)
     block_units = [next(up for up in units if up.unit.module() is b) for b in model.blocks]
+    # one gather machine at every stage: stage 2's after-step gathers and stage 3's unit gathers
+    out["gather_machines"] = {s: sorted({(type(b).__name__, b.frees) for b in bs}) for s, bs in (
+        (2, runs[2][1].engine.param_gather.buckets), (3, [b for up in units for b in up.buckets]))}
     for k, b in enumerate(model.blocks):
         def look(*_, k=k):
             if torch._C._current_graph_task_id() != -1:

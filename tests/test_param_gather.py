@@ -21,7 +21,7 @@ def test_same_bits_as_waiting_in_step_and_adamw_numbers(world, stage, cap_mb):
         # block 1 only; the other reads waited for everything)
         seen = r["last_block_at_first"]
         assert seen[2] and set(seen[2]) == {"GATHERING"}, seen
-        assert all(set(s) == {"CURRENT"} for k, s in enumerate(seen) if k != 2), seen
+        assert all(set(s) == {"GATHERED"} for k, s in enumerate(seen) if k != 2), seen
 
 
 @pytest.mark.parametrize("stage", [1, 2])

@@ -38,6 +38,7 @@ def test_same_numbers_as_stage2_and_adamw(case):
         assert r["max_diff_ref"] < (2e-5 if kw.get("dtype", "float32") == "float32" else 5e-2), r["max_diff_ref"]
         assert all(r["after_backward"]) and all(r["after_step"]) and r["after_eval"], r
         assert r["eval_equal"]
+        assert r["gather_machines"] == {2: [("BucketParams", False)], 3: [("BucketParams", True)]}, r
         assert r["param_shapes_between"] == [(0,)], r["param_shapes_between"]
         # between steps a rank holds its slices only: 1/world of the params (plus bucket padding)
         held = max(r["nbytes_between"])

@@ -207,7 +207,7 @@ def full_state_dict(model: torch.nn.Module, *, rank0_only: bool = True, device="
             comm.wait(comm.all_gather(full, f.param_shards[b], name=f"full_state_dict[{f.buckets[b].name}]"))
             for i in bucket.tensors:
                 slot = f.layout.slots[i]
-                value = full[slot.offset:slot.offset + slot.numel].view(f.shapes[i])
+                value = full[slot.offset:slot.offset + slot.numel].view(f.members[i].shape)
                 whole[id(f.params[i])] = value.to(device, copy=True) if keep else None
     rank = comm.rank if comm is not None else (dist.get_rank() if dist.is_initialized() else 0)
     if rank0_only and rank != 0:
@@ -236,7 +236,7 @@ def _inner_params(module):
         for f in unit.flat:
             if f.shards_params:
                 for i, p in enumerate(f.params):
-                    out.append((f"{path}.{f.local_names[i]}", p, getattr(unit, "init", None),
+                    out.append((f"{path}.{f.members[i].local_name}", p, getattr(unit, "init", None),
                                 lambda f=f, i=i: f.forget_empty_write(i)))
     return out
 

@@ -127,7 +127,7 @@ def full_state_dict(opt):
         if opt.comm.rank != 0:
             continue
         for i in s.bucket.plan.tensors:
-            p, slot, shape = s.flat.params[i], s.flat.layout.slots[i], s.flat.shapes[i]  # stage 3: p is empty
+            p, slot, shape = s.flat.params[i], s.flat.layout.slots[i], s.flat.members[i].shape  # stage 3: p is empty
             k = index[p]
             sl = slice(slot.offset, slot.offset + slot.numel)
             step = int(opt.state[p]["step"].item())
@@ -195,7 +195,7 @@ def load_state_dict(opt, sd):
     mine_too = (meta is not None and meta.get("rank") == opt.comm.rank and meta.get("slices") == slices
                 and meta.get("world_size") == opt.comm.world_size)
     # the params' own sizes (a stage-3 param is empty between steps)
-    shapes = {s.flat.params[i]: s.flat.shapes[i] for s in opt.stores for i in s.bucket.plan.tensors}
+    shapes = {s.flat.params[i]: s.flat.members[i].shape for s in opt.stores for i in s.bucket.plan.tensors}
     copies = []  # (destination, source or None for zeros)
     steps = []
     master_src = {}  # id(master view) -> the slice loaded into it

@@ -51,7 +51,7 @@ def let_through():
 def _refuse(func, param):
     flat_ref, i = _WHERE.get(param, (lambda: None, 0))
     flat = flat_ref()
-    name = flat.names[i] if flat is not None else "a stage-3 param"
+    name = flat.members[i].name if flat is not None else "a stage-3 param"
     op = getattr(func, "__name__", str(func))
     if op.endswith("_") and not op.startswith("_"):  # in place: clamp_, copy_, an nn.init call
         return RuntimeError(
@@ -90,7 +90,7 @@ def _sharded_class(cls):
 
 
 def mark_empty(param: torch.Tensor, flat, i: int) -> None:
-    """param now holds its empty placeholder: computing with it raises, naming flat.names[i]."""
+    """param now holds its empty placeholder: computing with it raises, naming flat.members[i].name."""
     if isinstance(param, torch.nn.Parameter) and type(param) not in _SHARDED:
         if param not in _WHERE:  # a param stays at its place in its FlatParams
             _WHERE[param] = (weakref.ref(flat), i)

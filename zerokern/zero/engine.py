@@ -23,7 +23,7 @@ import torch
 
 from . import ddp_guard
 from .api import make_unit, unit_of
-from .param_gather import ParamGather
+from .param_gather import GatherAfterStep
 from .schedule import ReduceSchedule
 from .comm import make_comm
 from .stage import GradMode, ParamMode, ShardConfig, optimizer_stage
@@ -120,12 +120,12 @@ class ZeroEngine:
             if u.schedule is not None:
                 raise ValueError(f"zerokern: unit '{u.name}' already belongs to another optimizer; "
                                  "build one optimizer over all of a model's params")
-            frozen = [n for f in u.flat for p, n in zip(f.params, f.names) if not p.requires_grad]
+            frozen = [m.name for f in u.flat for m in f.members if not m.param.requires_grad]
             if frozen:
                 raise ValueError(f"zerokern: {frozen[0]} (unit '{u.name}') was trainable when zerokern.shard() made the "
                                  "unit and is frozen now (requires_grad=False): freeze it before shard(), or keep it "
                                  "trainable and give it lr=0 in a param group of its own")
-            missing = [n for f in u.flat for p, n in zip(f.params, f.names) if p not in index]
+            missing = [m.name for f in u.flat for m in f.members if m.param not in index]
             if missing:
                 raise ValueError(f"zerokern: {missing[0]} (unit '{u.name}') is trainable but not in this "
                                  "optimizer's params: pass all of the unit's params, or freeze it before shard()")
@@ -159,7 +159,7 @@ class ZeroEngine:
         if config.overlap_param_gather:  # unit by unit, as the forward reaches them (sort is stable)
             position = {id(u): k for k, u in enumerate(forward_order(owned, index))}
             in_order = sorted(in_order, key=lambda s: position[id(unit_of(s.flat.params[0]))])
-        self.param_gather = ParamGather(self.comm, in_order if gathered else [])
+        self.param_gather = GatherAfterStep(self.comm, in_order if gathered else [])
         self._overlap_gather = config.overlap_param_gather and gathered
         if self._overlap_gather:
             self.param_gather.hook_modules(owned)
@@ -184,7 +184,8 @@ class ZeroEngine:
         """(param, name, full shape) of the k-th piece of a store."""
         f = store.flat
         i = f.layout.buckets[store.b].tensors[k]
-        return f.params[i], f.names[i], f.shapes[i]
+        m = f.members[i]
+        return m.param, m.name, m.shape
 
     # --- the step protocol ---------------------------------------------------
 
@@ -203,7 +204,7 @@ class ZeroEngine:
         """After the update: the stores send offloaded params back, the gathers bring the others' slices."""
         for store in self.stores:
             store.finish()
-        self.param_gather.launch(range(len(self.param_gather.stores)))  # _prepare waited for the last ones
+        self.param_gather.updated()  # _prepare waited for the last step's gathers
         if not self._overlap_gather:
             self.param_gather.wait_all()
 
@@ -481,7 +482,7 @@ class ZeroEngine:
 
     def _names_in(self, buckets):
         """The params of `buckets`, for an error: the first four and how many more."""
-        names = [s.flat.names[i] for s in self.stores if s.bucket in buckets for i in s.bucket.plan.tensors]
+        names = [s.flat.members[i].name for s in self.stores if s.bucket in buckets for i in s.bucket.plan.tensors]
         return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
     def _raise_stale(self, buckets):

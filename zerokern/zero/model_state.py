@@ -153,7 +153,7 @@ class HandedOut:
 def load_param(flat, i: int, value, name: str) -> Optional[str]:
     """Copy this rank's slice of `value` into params[i]'s shard. Returns an error text (naming
     the param and the fix) instead of raising, as torch's load_state_dict collects them."""
-    shape = tuple(flat.shapes[i])
+    shape = tuple(flat.members[i].shape)
     start, n, b, off = flat.my_slice(i)
     if not isinstance(value, torch.Tensor):
         return f"zerokern: '{name}' is a {type(value).__name__}, not a tensor"

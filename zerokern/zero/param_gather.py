@@ -1,6 +1,12 @@
-"""ParamGather: the all-gathers that bring every rank the params the others updated, and the
-points that wait for them. The one place that says whether a bucket's params are current
-(GatherState).
+"""The param gathers of every stage: BucketParams, the one machine that moves a param bucket's
+full buffer between SHARDED, GATHERING and GATHERED (ParamState), and GatherAfterStep, the policy
+of stages 1/2 that runs it after each update. Stage 3's policy (around each unit's forward and
+backward) is UnitParams / Stage3Runtime in stage3.py, over the same machine.
+
+What differs between the stages is one value, `frees` (ParamMode.GATHER_PER_UNIT): at stages 1/2
+the full buffer always has its storage and this rank's slice is a view of it, so SHARDED only
+means "the other ranks' slices are stale" (the update wrote this rank's); at stage 3 the slice is
+a tensor of its own and the buffer's storage exists only while GATHERING or GATHERED.
 
 [Note: gather behind forward] After the update each rank holds new values for its own slice of
 each bucket only; one all-gather per bucket brings the rest. By default step() waits for them
@@ -20,45 +26,106 @@ opt.finish_param_gather() first. That contract is why the overlap is opt-in.
 import weakref
 from typing import Dict, List
 
-from .states import GatherState
+import torch
+
+from .states import ParamState
 
 
-class ParamGather:
+class BucketParams:
+    """One param bucket's full buffer: the one place that says whether it holds every rank's values."""
+
+    def __init__(self, flat, b: int, comm, frees: bool, counter=None):
+        """frees: the buffer's storage exists only while gathered (stage 3; flat.param_shards then
+        holds this rank's slice). counter: what adds up the gathered bytes (Stage3Runtime), or None."""
+        self.flat, self.b, self.comm, self.frees, self.counter = flat, b, comm, frees, counter
+        self.state = ParamState.GATHERED  # built from whole params
+        self._work = None
+        if frees:
+            self._count(self.buffer.untyped_storage().nbytes())
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        return self.flat.param_bufs.buffers[self.b]
+
+    def launch(self) -> None:
+        """SHARDED -> GATHERING: every rank's slice is gathered into the full buffer."""
+        if self.state is not ParamState.SHARDED:
+            return
+        f, buf = self.flat, self.buffer
+        if self.frees:
+            nbytes = buf.numel() * buf.element_size()
+            buf.untyped_storage().resize_(nbytes)
+            self._count(nbytes)
+            start, end = f.layout.rank_range(f.rank, self.b)
+            mine = buf[start:end]
+            with torch.no_grad():
+                mine.copy_(f.param_shards[self.b])
+        else:
+            mine = f.param_shard(self.b)  # a view of the buffer: the gather is in place
+        self._work = self.comm.all_gather(buf, mine, name=f"all_gather[{f.buckets[self.b].name}]")
+        self.state = ParamState.GATHERING
+
+    def wait(self) -> None:
+        """GATHERING -> GATHERED."""
+        if self.state is ParamState.GATHERING:
+            self.comm.wait(self._work)
+            self._work = None
+            self.state = ParamState.GATHERED
+
+    def release(self) -> None:
+        """-> SHARDED: only this rank's slice is current (the update is about to write it, or at
+        stage 3 the unit is done with its params), and with `frees` the buffer's storage goes. A
+        gather in flight is waited for first: it writes the buffer, and every rank launched it."""
+        self.wait()
+        if self.state is not ParamState.GATHERED:
+            return
+        if self.frees:
+            buf = self.buffer
+            self._count(-buf.untyped_storage().nbytes())
+            buf.untyped_storage().resize_(0)
+        self.state = ParamState.SHARDED
+
+    def _count(self, n: int) -> None:
+        if self.counter is not None:
+            self.counter.gathered_bytes += n
+            self.counter.peak_bytes = max(self.counter.peak_bytes, self.counter.gathered_bytes)
+
+
+class GatherAfterStep:
+    """Stages 1/2: the buckets' gathers after each update, in the order the next forward uses
+    them, and (with overlap_param_gather) the module pre-hooks that wait for them."""
+
     def __init__(self, comm, stores):
         """stores: the ShardStores in the order the next forward uses them (the reverse of backward's);
         none where nothing is gathered (one rank, or stage 0)."""
         self.comm = comm
         self.stores = stores
-        self.state = [GatherState.CURRENT] * len(stores)
-        self._works = [None] * len(stores)
+        self.buckets = [BucketParams(s.flat, s.b, comm, frees=False) for s in stores]
         self._pending = 0  # buckets in GATHERING: 0 makes every hook return at once
 
     @property
     def pending(self) -> bool:
         return self._pending > 0
 
-    def launch(self, ks) -> None:
-        """Gather these buckets (by index into stores), whose shards were just updated. The caller
-        waited for the last step's gathers first (they share the buffers)."""
-        for k in ks:
-            s = self.stores[k]
-            buf = s.flat.param_bufs.buffers[s.b]
-            self._works[k] = self.comm.all_gather(buf, s.param_shard(), name=f"all_gather[{s.bucket.name}]")
-            self.state[k] = GatherState.GATHERING
-            self._pending += 1
+    def updated(self) -> None:
+        """The update wrote this rank's slice of every bucket: gather them all (the caller waited for
+        the last step's gathers first: they share the buffers)."""
+        for bp in self.buckets:
+            bp.release()
+            bp.launch()
+        self._pending = len(self.buckets)
 
     def wait(self, ks) -> None:
-        """GATHERING -> CURRENT for these buckets (by index into stores)."""
+        """GATHERING -> GATHERED for these buckets (by index into stores)."""
         for k in ks:
-            if self.state[k] is GatherState.GATHERING:
-                self.comm.wait(self._works[k])
-                self._works[k] = None
-                self.state[k] = GatherState.CURRENT
+            bp = self.buckets[k]
+            if bp.state is ParamState.GATHERING:
+                bp.wait()
                 self._pending -= 1
 
     def wait_all(self) -> None:
         if self._pending:
-            self.wait(range(len(self.stores)))
+            self.wait(range(len(self.buckets)))
 
     # --- module hooks ----------------------------------------------------------
 

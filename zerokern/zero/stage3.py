@@ -8,14 +8,15 @@ hold values only while the unit is GATHERED; their storage is freed (resized to 
 tensor objects stay) otherwise. Between gathers a param's .data is an empty tensor of its dtype
 and device, as DeepSpeed's stage 3 leaves it: code that reads a param outside its unit's forward
 and backward sees an empty tensor and fails on its shape, never reads freed memory (on a CPU a
-tensor over freed storage is a segfault), and its full shape is kept in FlatParams.shapes.
+tensor over freed storage is a segfault), and its full shape is kept in its Member (member.py).
 
 The storage is resized in place rather than replaced, so tensors that autograd saved in the
 forward (views such as weight.t() share the buffer's storage) read the values gathered again
 before the unit's backward. A param's .data swap does not touch its version counter, so the
 saved params pass autograd's version check.
 
-When (UnitParams says which phase each unit is in, ParamState; Stage3Runtime decides when):
+When (BucketParams says which phase each bucket is in, UnitParams moves a unit's buckets together,
+Stage3Runtime decides when):
 - forward: a unit's forward pre-hook gathers it (waiting for a prefetch), then launches the
   gather of the unit the last forward ran next (prefetch, as FSDP2's forward prefetch);
   its post-hook frees it (reshard_after_forward=True), except a root (a unit with units inside)
@@ -41,6 +42,7 @@ import torch.utils._pytree as pytree
 from torch.autograd.graph import register_multi_grad_hook
 
 from . import model_state
+from .param_gather import BucketParams
 from .states import ParamState
 
 
@@ -64,9 +66,9 @@ def _hook_state_dicts(module, up) -> None:
             if key in state_dict and where is not None:
                 f, i = where
                 start, n, b, off = f.my_slice(i)
-                t = model_state.to_boxes(f.param_shards[b][off:off + n], start, f.shapes[i])
+                t = model_state.to_boxes(f.param_shards[b][off:off + n], start, f.members[i].shape)
                 up.handed.add(t, key)
-                model_state.note_source(t, f.params[i])
+                model_state.note_source(t, f.members[i].param)
                 state_dict[key] = t
 
     def load(mod, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
@@ -100,25 +102,31 @@ def _hook_state_dicts(module, up) -> None:
 
 
 class UnitParams:
-    """One stage-3 unit's params: the one place that says whether they are gathered (ParamState)."""
+    """One stage-3 unit's params: its buckets' BucketParams (param_gather.py), moved together, and
+    the params' data bound to the full buffers while they are gathered, to empty tensors otherwise."""
 
     def __init__(self, unit, comm, counter=None):
         self.unit, self.comm = unit, comm
         self.counter = counter  # the runtime: gathered bytes now and at peak
         self.flats = [f for f in unit.flat if f.shards_params]
-        self.trainable = sum(len(f.params) for f in self.flats)
+        self.trainable = sum(len(f.members) for f in self.flats)
+        self.buckets: List[BucketParams] = []  # shard() makes them
         self.got = 0  # params of the unit whose grad arrived since it was last gathered for backward
         self.active = 0  # forwards of the unit's module running now (outside backward)
         self.is_root = False  # the unit's module holds other units (Stage3Runtime.add)
         self.reshard_after_forward = unit.config.reshard_after_forward
-        self.state = ParamState.GATHERED  # built from the whole module
-        self._works = []
         self._empty = {}
         self.handed = model_state.HandedOut()  # state_dict() copies, for a dcp.load never loaded
 
     @property
     def name(self) -> str:
         return self.unit.name  # the module path once the root is sharded (ShardUnit.name_from)
+
+    @property
+    def state(self) -> ParamState:
+        """The unit's buckets move together, so the first one's state is the unit's (a unit with no
+        trainable params is always GATHERED: it has nothing to gather)."""
+        return self.buckets[0].state if self.buckets else ParamState.GATHERED
 
     def shard(self) -> None:
         """At zerokern.shard(): every rank takes rank 0's values (as DDP's construction does), keeps
@@ -133,36 +141,26 @@ class UnitParams:
             self.comm.wait(w)
         for f in self.flats:
             f.shard_params()
-            for buf in f.param_bufs.buffers:
-                self._count(buf.untyped_storage().nbytes())  # the whole unit, until reshard() below
+            self.buckets += [BucketParams(f, b, self.comm, frees=True, counter=self.counter)
+                             for b in range(len(f.param_bufs.buffers))]
         self.reshard()
 
     def launch(self) -> None:
-        """SHARDED -> GATHERING: every rank's slices are gathered into the full buffers."""
+        """SHARDED -> GATHERING."""
         if self.state is not ParamState.SHARDED:
             return
         self.handed.check(self.name)
-        with torch.no_grad():
-            for f in self.flats:
-                for b, buf in enumerate(f.param_bufs.buffers):
-                    buf.untyped_storage().resize_(buf.numel() * buf.element_size())
-                    self._count(buf.numel() * buf.element_size())
-                    start, end = f.layout.rank_range(f.rank, b)
-                    mine = buf[start:end]
-                    mine.copy_(f.param_shards[b])
-                    self._works.append(self.comm.all_gather(buf, mine, name=f"all_gather[{f.buckets[b].name}]"))
-        self.state = ParamState.GATHERING
+        for bp in self.buckets:
+            bp.launch()
 
     def wait(self) -> None:
         """GATHERING -> GATHERED: the params view the full buffers."""
         if self.state is not ParamState.GATHERING:
             return
-        for w in self._works:
-            self.comm.wait(w)
-        self._works = []
+        for bp in self.buckets:
+            bp.wait()
         for f in self.flats:
             f.bind_full()
-        self.state = ParamState.GATHERED
 
     def unshard(self) -> None:
         self.launch()
@@ -172,22 +170,15 @@ class UnitParams:
         """-> SHARDED: the params' data becomes empty and the full buffers' storage is freed."""
         self.wait()  # a gather in flight writes the buffers; every rank launched it, so it completes
         self.got = 0
-        if self.state is not ParamState.GATHERED:
+        if self.state is not ParamState.GATHERED or not self.buckets:
             return
         for f in self.flats:
             key = (f.dtype, f.device)
             if key not in self._empty:
                 self._empty[key] = torch.empty(0, dtype=f.dtype, device=f.device)
             f.bind_empty(self._empty[key])
-            for buf in f.param_bufs.buffers:
-                self._count(-buf.untyped_storage().nbytes())
-                buf.untyped_storage().resize_(0)
-        self.state = ParamState.SHARDED
-
-    def _count(self, n: int) -> None:
-        if self.counter is not None:
-            self.counter.gathered_bytes += n
-            self.counter.peak_bytes = max(self.counter.peak_bytes, self.counter.gathered_bytes)
+        for bp in self.buckets:
+            bp.release()
 
     def nbytes(self) -> int:
         """Bytes of param memory this rank holds now: its slices and any full buffer."""
@@ -241,7 +232,7 @@ class Stage3Runtime:
         self._keep_for_graph = False
         self.prefetch = True  # launch the next unit's gather with this one's (bench/overlap.py turns it off)
         self._foreign = set()  # (id(module), id(unit)) of add_foreign_use
-        self.gathered_bytes = 0  # bytes of full param buffers allocated now (UnitParams counts)
+        self.gathered_bytes = 0  # bytes of full param buffers allocated now (BucketParams counts)
         self.peak_bytes = 0  # their peak since reset_peak(): the gathered working set
 
     @property

@@ -22,16 +22,9 @@ class BackwardState(enum.Enum):
     FINISHED = "finished"  # the callback ran: every bucket was launched, in the global order
 
 
-class GatherState(enum.Enum):
-    """Where one bucket's params stand after an update (ParamGather owns it)."""
-
-    CURRENT = "current"  # every rank's slice holds the last update's values
-    GATHERING = "gathering"  # the all-gather runs: only this rank's slice is current; nothing may read or write
-
-
 class ParamState(enum.Enum):
-    """Where one stage-3 unit's params stand (UnitParams owns it)."""
+    """Where one param bucket's full buffer stands (BucketParams owns it, at every stage)."""
 
-    SHARDED = "sharded"  # this rank holds its slices only; the params' data is empty
-    GATHERING = "gathering"  # the all-gathers run into the full buffers: nothing may read them yet
-    GATHERED = "gathered"  # the full buffers hold every rank's slice; the params view them
+    SHARDED = "sharded"  # only this rank's slice is current (stage 3: the buffer has no storage, the params' data is empty)
+    GATHERING = "gathering"  # the all-gather runs into the full buffer: nothing may read or write it yet
+    GATHERED = "gathered"  # the full buffer holds every rank's slice

@@ -31,6 +31,7 @@ import torch
 from . import empty_param
 from .bucket import GradBucket
 from .layout import plan_layout
+from .member import Member
 from .sharded_grad import CONSUMED, ZERO, ShardedGrad
 from .stage import GradMode, OffloadPolicy, ParamMode, ShardConfig, Strategy  # noqa: F401 (re-exported)
 from .stage2_bucket import ReleasingGradBucket
@@ -39,19 +40,21 @@ from .storage import FlatBuffers
 
 
 class FlatParams:
-    """One dtype's trainable params of a unit (in backward order), their buffers and grad buckets."""
+    """One dtype's trainable params of a unit (in backward order): a Member each, their buffers and
+    grad buckets."""
 
     def __init__(self, params, names, breaks, comm, config: ShardConfig, strategy: Strategy, unit_name: str):
-        self.params, self.names = params, names
-        self.local_names = list(names)  # relative to the unit's module; names gain its path (ShardUnit.name_from)
+        self.members = [Member(p, i, n) for i, (p, n) in enumerate(zip(params, names))]
+        self.params = tuple(params)  # members' params, for code that wants the tensors (fixed for good)
         self.unit_name = unit_name
-        self.shapes = [p.shape for p in params]  # at stage 3 p.shape is [0] while the unit is sharded
         self.dtype, self.device = params[0].dtype, params[0].device
         self.rank = comm.rank if strategy.shards_state else 0
         cap = max(1, int(config.bucket_cap_mb * 2**20 // params[0].element_size()))
         self.layout = plan_layout([p.numel() for p in params], strategy.layout_world, cap, config.align, breaks)
         self.param_bufs = FlatBuffers.from_tensors(params, self.layout)
         self.param_bufs.bind_params(params)
+        for m in self.members:  # where each param's data must stay now ([Note: ownership]), its version there
+            m.ptr, m.version = m.param.data_ptr(), m.param._version
         dt = str(self.dtype).replace("torch.", "")
         # [Note: stage-2 memory]: full grad buffers live only until their reduction completes
         self.releases = strategy.grads is GradMode.SCATTER_RELEASE
@@ -59,7 +62,6 @@ class FlatParams:
         # shard_params(); the full buffers then hold values only while the unit is gathered)
         self.shards_params = strategy.params is ParamMode.GATHER_PER_UNIT
         self.param_shards: Optional[List[torch.Tensor]] = None
-        self.empty_versions: List[Optional[int]] = [None] * len(params)  # p._version when its data went empty
         if self.releases:
             self.buckets = [ReleasingGradBucket(self.layout, b, self.dtype, self.device, comm, self.rank, True,
                                                 f"{unit_name}:{dt}:{b.index}", on_release=self._released,
@@ -69,24 +71,24 @@ class FlatParams:
             self.buckets = [GradBucket(self.layout, b, self.dtype, self.device, comm, self.rank,
                                        strategy.reduce_scatters, f"{unit_name}:{dt}:{b.index}")
                             for b in self.layout.buckets]
-        self.bound: List[Optional[torch.Tensor]] = [None] * len(params)  # the view each .grad was last set to
-        self.ptrs = [p.data_ptr() for p in params]  # where each param's data must stay ([Note: ownership])
         self.changed = set()  # params adopted with new values since the stores last looked
-        # each param's version counter when the stores last looked: an in-place write to a param
-        # (load_state_dict, an nn.init call, clamp_ under no_grad) moves it ([Note: in-place weights])
-        self.versions = [p._version for p in params]
-        for i, p in enumerate(params):
-            if p.grad is None:
+        for i, m in enumerate(self.members):
+            if m.param.grad is None:
                 continue  # as in torch, None until a backward reaches it (no full grad buffer until then)
             self.bind_grad(i)
             self.bucket_of(i).mark_got(i, False)  # a grad from before sharding counts, as torch.optim would use it
+
+    @property
+    def names(self) -> List[str]:
+        return [m.name for m in self.members]
 
     def bucket_of(self, i: int) -> GradBucket:
         return self.buckets[self.layout.slots[i].bucket]
 
     def bind_grad(self, i: int) -> None:
         """params[i].grad becomes its bucket view, holding the grad it has now (if any)."""
-        p, bucket, shape = self.params[i], self.bucket_of(i), self.shapes[i]
+        m, bucket = self.members[i], self.bucket_of(i)
+        p, shape = m.param, m.shape
         if bucket.is_view(i, p.grad, shape) or isinstance(p.grad, ShardedGrad):
             return
         if p.grad is not None:
@@ -102,17 +104,24 @@ class FlatParams:
         param's when it is assigned; a stage-3 param whose unit is sharded has data of shape [0]
         ([Note: stage-3 params]), so it stands in a stride-0 view of the full shape (no copy) for
         the assignment."""
-        p = self.params[i]
+        m = self.members[i]
+        p = m.param
         if grad is not None:
-            self.check_moved(i)  # before torch refuses a grad of the old dtype with its own message
+            m.check_moved(self.dtype, self.device)  # before torch refuses a grad of the old dtype with its own message
         if grad is not None and p.shape != grad.shape:
             held = p.data
-            p.data = held.new_zeros(()).expand(self.shapes[i])  # 0-d: expands to any shape, () too
+            p.data = held.new_zeros(()).expand(m.shape)  # 0-d: expands to any shape, () too
             p.grad = grad
             p.data = held
         else:
             p.grad = grad
-        self.bound[i] = grad
+        m.bound = grad
+
+    def placeholder(self, i: int, kind=None) -> ShardedGrad:
+        m = self.members[i]
+        if kind is None:
+            return ShardedGrad(m.param, m.name, self.bucket_of(i), i, m.shape)
+        return ShardedGrad(m.param, m.name, self.bucket_of(i), i, m.shape, kind)
 
     # --- stage 2 ([Note: stage-2 memory], [Note: stage-2 .grad]) -------------------------
 
@@ -121,25 +130,24 @@ class FlatParams:
         placeholders, also where this rank had no grad: the shard may hold other ranks' part, as DDP
         gives a param unused on one rank the averaged grad."""
         for i in bucket.plan.tensors:
-            p = self.params[i]
-            if bucket.has_grad(i) and (p.grad is None or isinstance(p.grad, ShardedGrad)
-                                       or bucket.is_view(i, p.grad, self.shapes[i])):
-                self.set_grad(i, ShardedGrad(p, self.names[i], bucket, i, self.shapes[i]))
+            m = self.members[i]
+            g = m.param.grad
+            if bucket.has_grad(i) and (g is None or isinstance(g, ShardedGrad) or bucket.is_view(i, g, m.shape)):
+                self.set_grad(i, self.placeholder(i))
 
     def give_reduced_placeholder(self, i: int) -> None:
         """params[i] had no grad on this rank but had one on another ([Note: who had a grad] in
         engine.py): its .grad becomes the placeholder of the averaged grad, as DDP gives it."""
-        if self.params[i].grad is None:
-            bucket = self.bucket_of(i)
-            self.set_grad(i, ShardedGrad(self.params[i], self.names[i], bucket, i, self.shapes[i]))
+        if self.members[i].param.grad is None:
+            self.set_grad(i, self.placeholder(i))
 
     def sync_grad(self, i: int) -> None:
         """What the user did to params[i].grad since the runtime bound it: a grad assigned by hand
         (no backward, so no hook) moves into its bucket; one set to None (torch's way to skip a
         param) no longer counts. A .grad that is still the one bound last passes on identity."""
-        p, bound, bucket = self.params[i], self.bound[i], self.bucket_of(i)
-        g = p.grad
-        if g is bound:
+        m, bucket = self.members[i], self.bucket_of(i)
+        g = m.param.grad
+        if g is m.bound:
             if isinstance(g, ShardedGrad) and g.kind is CONSUMED:
                 bucket.stale_accumulation = True  # a grad the last step used, still held: step() raises
             return
@@ -147,7 +155,7 @@ class FlatParams:
             self.take_grad_change(i)
         if g is None:
             bucket.clear_got(i)
-        elif not bucket.is_view(i, g, self.shapes[i]):
+        elif not bucket.is_view(i, g, m.shape):
             self.bind_grad(i)
             bucket.mark_got(i, False)
 
@@ -162,12 +170,12 @@ class FlatParams:
         """Stage 2: a .grad the user replaced (None or a tensor) since the runtime bound it: the
         param's reduced grad of this round is forgotten, as torch forgets a grad it no longer holds
         (its pending part, if any, is zeroed by prepare_grad() or launch())."""
-        bound = self.bound[i]
+        m = self.members[i]
         # Also where this rank had no grad (bound None): the shard holds the other ranks' part.
-        if self.params[i].grad is not bound:
+        if m.param.grad is not m.bound:
             self.bucket_of(i).drop_reduced(i)
-            if isinstance(bound, ShardedGrad):
-                self.bound[i] = None
+            if isinstance(m.bound, ShardedGrad):
+                m.bound = None
 
     def prepare_grad(self, i: int) -> None:
         """Stage 2, before autograd adds a grad for params[i]. A .grad that views the pending
@@ -176,13 +184,14 @@ class FlatParams:
         view) .grad becomes None: autograd then hands over its new grad, and the hook copies it
         into the buffer (taken from the pool), which so needs no zeroing ([Note: zeroing on
         demand] in stage2_bucket.py)."""
-        p, bucket = self.params[i], self.bucket_of(i)
-        if bucket.is_view(i, p.grad, self.shapes[i]):
+        m, bucket = self.members[i], self.bucket_of(i)
+        g = m.param.grad
+        if bucket.is_view(i, g, m.shape):
             return
         self.take_grad_change(i)
-        if isinstance(p.grad, torch.Tensor) and not isinstance(p.grad, ShardedGrad):
-            view = bucket.view_for_overwrite(i, self.shapes[i])
-            view.copy_(p.grad)
+        if isinstance(g, torch.Tensor) and not isinstance(g, ShardedGrad):
+            view = bucket.view_for_overwrite(i, m.shape)
+            view.copy_(g)
             bucket.note_write()
             self.set_grad(i, view)
         else:
@@ -213,59 +222,43 @@ class FlatParams:
     def bind_full(self) -> None:
         """The unit was gathered: each param's data is its view of the full buffer again."""
         with torch.no_grad():
-            for i, p in enumerate(self.params):
+            for i, m in enumerate(self.members):
+                p = m.param
                 empty_param.mark_full(p)  # first: the checks' reads then skip its __torch_function__
-                self.check_untouched(i)
-                self.check_moved(i)  # model.to(dtype) between gathers cast only the empty placeholder
-                self.empty_versions[i] = None
-                p.data = self.param_bufs.view(i, self.shapes[i])
-                self.ptrs[i] = p.data_ptr()
+                m.check_untouched(self.unit_name)
+                m.check_moved(self.dtype, self.device)  # model.to(dtype) between gathers cast only the placeholder
+                m.empty_version = None
+                p.data = self.param_bufs.view(i, m.shape)
+                m.ptr = p.data_ptr()
 
     def bind_empty(self, placeholder: torch.Tensor) -> None:
         """The unit is being sharded: each param's data becomes `placeholder` (no elements),
         so a read outside the unit's forward and backward sees an empty tensor, never freed memory."""
         with torch.no_grad():
-            for i, p in enumerate(self.params):
+            for i, m in enumerate(self.members):
+                p = m.param
                 p.data = placeholder
-                self.ptrs[i] = p.data_ptr()
-                self.empty_versions[i] = p._version
+                m.ptr = p.data_ptr()
+                m.empty_version = p._version
                 empty_param.mark_empty(p, self, i)  # [Note: reads between gathers]
 
     def forget_empty_write(self, i: int) -> None:
         """A write to params[i] while sharded that is known to mean nothing (a root's init of
         params its own unit initialised the same way: materialize.py) is not an error later."""
-        if self.empty_versions[i] is not None:
-            self.empty_versions[i] = self.params[i]._version
-
-    def check_untouched(self, i: int) -> None:
-        """params[i] changed in place while its unit was sharded (its version counter moved: clamp_,
-        an init, copy_ into it) changed nothing, since it held no values: an error, not a no-op."""
-        v = self.empty_versions[i]
-        if v is not None and self.params[i]._version != v:
-            raise RuntimeError(
-                f"zerokern: {self.names[i]} (unit '{self.unit_name}') was changed in place while its unit was "
-                "sharded (at stage 3 a param holds no values between its unit's forward and backward, so "
-                "p.clamp_(), an nn.init call or copy_ into it would do nothing). To set new weights between "
-                "steps, load them: model.load_state_dict(sd) takes whole tensors into the shards")
-
-    def check_moved(self, i: int) -> None:
-        """A clear error for a param moved to another device or dtype after it was sharded."""
-        p = self.params[i]
-        if p.device != self.device or p.dtype != self.dtype:
-            raise RuntimeError(
-                f"zerokern: {self.names[i]} is now {p.dtype} on {p.device}, but it was sharded as {self.dtype} on "
-                f"{self.device} (model.to(...) after the optimizer or zerokern.shard was built?). Move or cast "
-                "the model first, then build the optimizer (and call zerokern.shard)")
+        m = self.members[i]
+        if m.empty_version is not None:
+            m.empty_version = m.param._version
 
     def adopt(self, i: int) -> None:
         """[Note: ownership] params[i] no longer views its bucket (model.to() copied it, to_empty(),
         .data assigned): copy its values into the bucket and make it a view again."""
-        self.check_moved(i)
-        p = self.params[i]
+        m = self.members[i]
+        m.check_moved(self.dtype, self.device)
+        p = m.param
         if self.shards_params:
             raise RuntimeError(
-                f"zerokern: {self.names[i]} (unit '{self.unit_name}'): its data was replaced (p.data = ..., model.to() that copies, "
-                "to_empty()), but at stage 3 a param holds data only inside its unit's forward and backward "
+                f"zerokern: {m.name} (unit '{self.unit_name}'): its data was replaced (p.data = ..., model.to() that "
+                "copies, to_empty()), but at stage 3 a param holds data only inside its unit's forward and backward "
                 "and the optimizer keeps this rank's slice; replacing it is not offered at stage 3. Load new "
                 "weights with model.load_state_dict(sd) instead (whole tensors go into the shards)")
         view = self.param_bufs.view(i, p.shape)
@@ -274,6 +267,7 @@ class FlatParams:
                 self.changed.add(i)  # new values: a separate fp32 master must be read again
             view.copy_(p.data)
         p.data = view
+        m.ptr = p.data_ptr()
         if p.grad is not None and not isinstance(p.grad, ShardedGrad):  # model.to() moved the grad along
             self.bind_grad(i)
 
@@ -281,42 +275,42 @@ class FlatParams:
         """The full grad buffers were freed after step() (stages 2 and 3): a param that had a grad
         holds a CONSUMED placeholder, as torch would still hold its grad; the others None.
         had[i]: params[i] had a grad on some rank this step."""
-        for i, p in enumerate(self.params):
+        for i, m in enumerate(self.members):
             if had[i]:
-                self.set_grad(i, ShardedGrad(p, self.names[i], self.bucket_of(i), i, self.shapes[i], CONSUMED))
-            elif p.grad is not None:
+                self.set_grad(i, self.placeholder(i, CONSUMED))
+            elif m.param.grad is not None:
                 self.set_grad(i, None)
 
     def after_zero_grad(self, set_to_none: bool) -> None:
         """As torch's zero_grad: every .grad None, or (set_to_none=False) each existing grad a zero
         grad that the next step() uses (momentum and weight decay move the param) unless a backward
         adds to it: the (zeroed) bucket view, or a ZERO placeholder where the buffer is freed."""
-        for i, p in enumerate(self.params):
-            g = p.grad
-            if g is None and self.bound[i] is None:
+        for i, m in enumerate(self.members):
+            g = m.param.grad
+            if g is None and m.bound is None:
                 continue
-            self.check_moved(i)
+            m.check_moved(self.dtype, self.device)
             bucket = self.bucket_of(i)
             if set_to_none or g is None:
                 self.set_grad(i, None)
             elif bucket.full is not None:
-                self.set_grad(i, bucket.view(i, self.shapes[i]))  # zeroed by the schedule
+                self.set_grad(i, bucket.view(i, m.shape))  # zeroed by the schedule
                 bucket.mark_got(i, False)
             else:
-                self.set_grad(i, ShardedGrad(p, self.names[i], bucket, i, self.shapes[i], ZERO))
+                self.set_grad(i, self.placeholder(i, ZERO))
                 bucket.mark_got(i, False)
 
     def before_accumulate(self, i: int) -> None:
         """Autograd is about to add a grad for params[i] (a hook before its accumulation)."""
-        p, bucket = self.params[i], self.bucket_of(i)
-        g = p.grad
+        m, bucket = self.members[i], self.bucket_of(i)
+        g = m.param.grad
         if isinstance(g, ShardedGrad) and g.kind is CONSUMED:
             bucket.stale_accumulation = True  # step() raises on every rank ([Note: grads after step])
         if self.releases:
             self.prepare_grad(i)
         elif g is None or isinstance(g, ShardedGrad):
             # torch starts from no grad: a zeroed slot, which autograd adds into in place
-            self.set_grad(i, bucket.zeroed_view(i, self.shapes[i]))
+            self.set_grad(i, bucket.zeroed_view(i, m.shape))
 
 
 class ShardUnit:
@@ -364,7 +358,8 @@ class ShardUnit:
         pass for each other: [Note: announced collectives])."""
         self.name = path
         for f in self.flat:
-            f.names = [f"{path}.{n}" for n in f.local_names]
+            for m in f.members:
+                m.name = f"{path}.{m.local_name}"
             f.unit_name = path
             for b in f.buckets:
                 b.name = f"{path}:{b.name.split(':', 1)[1]}"
@@ -394,12 +389,13 @@ class ShardUnit:
         ShardStore.refresh_params re-reads the master there. A write through p.data has a
         version counter of its own and is not seen."""
         for f in self.flat:
-            for i, (p, ptr) in enumerate(zip(f.params, f.ptrs)):
-                f.check_untouched(i)  # stage 3 only: elsewhere nothing is recorded
-                if p.data_ptr() != ptr:
+            for i, m in enumerate(f.members):
+                p = m.param
+                m.check_untouched(f.unit_name)  # stage 3 only: elsewhere nothing is recorded
+                if p.data_ptr() != m.ptr:
                     f.adopt(i)
-                if p._version != f.versions[i]:  # [Note: in-place weights]
-                    f.versions[i] = p._version
+                if p._version != m.version:  # [Note: in-place weights]
+                    m.version = p._version
                     f.changed.add(i)
                 f.sync_grad(i)
 
@@ -407,7 +403,7 @@ class ShardUnit:
         """owner.<attr> was replaced by another tensor q (load_state_dict(assign=True)): p takes
         q's values and its place back, so the optimizer keeps training what the model uses."""
         where = self.locate(p)
-        name = where[0].names[where[1]] if where else attr
+        name = where[0].members[where[1]].name if where else attr
         if where and where[0].shards_params:
             raise RuntimeError(f"zerokern: {name} was replaced by another tensor (load_state_dict(assign=True)?), "
                                "but at stage 3 the optimizer keeps this rank's slice of it; load new values with "
@@ -443,7 +439,8 @@ def _pre_hook(unit_ref, k: int, i: int):
         if unit is None:
             return None  # the unit was dropped: the param trains on without zerokern
         f = unit.flat[k]
-        f.check_moved(i)  # before autograd fails on a grad of another dtype or device
+        m = f.members[i]
+        m.check_moved(f.dtype, f.device)  # before autograd fails on a grad of another dtype or device
         # Runs before autograd adds `grad` into the bucket. A bucket still in flight here was
         # launched before this grad came (a reentrant checkpoint segment or shared weights
         # reaching the param twice, or a backward after an interrupted one): wait for it
@@ -451,7 +448,7 @@ def _pre_hook(unit_ref, k: int, i: int):
         bucket = f.bucket_of(i)
         if bucket.state is BucketState.IN_FLIGHT:
             bucket.wait()
-        if f.releases or not bucket.is_view(i, f.params[i].grad, f.shapes[i]):  # the usual case: a bound view
+        if f.releases or not bucket.is_view(i, m.param.grad, m.shape):  # the usual case: a bound view
             f.before_accumulate(i)
     return pre_hook
 

@@ -116,6 +116,7 @@ def extensions():
                 "csrc/torch/adam_cache.cpp",
                 "csrc/torch/flat_ops.cpp",
                 "csrc/cpu/adam_cpu.cpp",
+                "csrc/cpu/lowbit_cpu.cpp",
                 "csrc/cpu/cast_cpu.cpp",
                 "csrc/cpu/dispatch.cpp",
                 "csrc/cpu/kernels_avx512.cpp",

@@ -36,6 +36,28 @@ for s in dtypes:
         flat = ops.flatten([t.to(s) for t in big], out=torch.zeros(700_021, dtype=d), offsets=[3, 300_007, 300_013],
                            backend="cpu")
         out[(s, d)] = ([flat], [], [], None)
+# low-bit Adam: int8 and bf16 state, fp32 masters and bf16 params without, sizes around a block
+from zerokern.kernels import lowbit as L
+from zerokern.kernels.lowbit_ops import fused_adam_lowbit_
+for fmt in ("int8", "bf16"):
+    for pd in (torch.float32, torch.bfloat16):
+        gen = torch.Generator().manual_seed(2)
+        sizes = [1, 255, 257, 4097, 70001]
+        p = [torch.randn(n, generator=gen).to(pd) for n in sizes]
+        g = [torch.randn(n, generator=gen).bfloat16() for n in sizes]
+        if fmt == "int8":
+            q = [L.quantize(torch.randn(n, generator=gen) * 0.1, True) for n in sizes]
+            r = [L.quantize(torch.rand(n, generator=gen) * 0.01, False) for n in sizes]
+            m, ms, v, vs = [c for c, _ in q], [s for _, s in q], [c for c, _ in r], [s for _, s in r]
+        else:
+            m = [torch.randn(n, generator=gen).bfloat16() for n in sizes]
+            v = [torch.rand(n, generator=gen).bfloat16() for n in sizes]
+            ms = vs = None
+        for step in (1, 2):
+            fused_adam_lowbit_(p, g, m, v, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=step,
+                               exp_avg_scales=ms, exp_avg_sq_scales=vs, index_bases=[7 * n for n in sizes], seed=3,
+                               backend="cpu")
+        out[("lowbit", fmt, pd)] = (p, m, v, (ms or []) + (vs or []))
 torch.save(out, sys.argv[1])
 """
 

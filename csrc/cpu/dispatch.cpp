@@ -30,9 +30,9 @@ bool cpu_has(const char* feature) {
 // (for tests and for comparing variants; asking for one the CPU lacks is an error).
 Variant choose_variant() {
   static const Variant variants[] = {
-      {"avx512", avx512::adam_span, avx512::roof_span, avx512::cast_span},
-      {"avx2", avx2::adam_span, avx2::roof_span, avx2::cast_span},
-      {"baseline", baseline::adam_span, baseline::roof_span, baseline::cast_span},
+      {"avx512", avx512::adam_span, avx512::roof_span, avx512::cast_span, avx512::lowbit_blocks},
+      {"avx2", avx2::adam_span, avx2::roof_span, avx2::cast_span, avx2::lowbit_blocks},
+      {"baseline", baseline::adam_span, baseline::roof_span, baseline::cast_span, baseline::lowbit_blocks},
   };
   const char* wanted = std::getenv("ZEROKERN_CPU_CAPABILITY");
   if (wanted && *wanted) {

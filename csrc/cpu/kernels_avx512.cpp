@@ -1,4 +1,6 @@
 // The CPU kernels (adam_isa.inc, cast_isa.inc) for the avx512 variant.
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -10,6 +12,7 @@
 #include "zerokern/adam.h"
 #include "zerokern/cast.h"
 #include "zerokern/half_bits.h"
+#include "zerokern/lowbit.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi2,prefer-vector-width=512")
@@ -22,5 +25,8 @@
 #endif
 #include "dtypes.inc"
 #include "adam_isa.inc"
+#define ZK_LOWBIT_SIMD 512  // lowbit_isa.inc: explicit gathers
+#include "lowbit_isa.inc"
+#undef ZK_LOWBIT_SIMD
 #include "cast_isa.inc"
 #undef ZK_STREAM_BYTES

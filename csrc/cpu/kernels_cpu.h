@@ -7,6 +7,7 @@
 
 #include "zerokern/adam.h"
 #include "zerokern/dtype.h"
+#include "zerokern/lowbit.h"
 
 namespace zerokern {
 namespace cpu {
@@ -25,12 +26,16 @@ struct AdamSpan {
 
 using AdamSpanFn = void (*)(const AdamSpan&, const AdamCoeffs&);
 using CastSpanFn = void (*)(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n, bool stream);
+// Blocks [first, last) of tensor k of a low-bit Adam call (lowbit_isa.inc).
+using LowBitBlocksFn = void (*)(const LowBitTensorList& t, const LowBitCall& call, int64_t k, int64_t first,
+                                int64_t last);
 
 #define ZK_DECLARE_ISA(isa)                                                         \
   namespace isa {                                                                   \
   void adam_span(const AdamSpan& s, const AdamCoeffs& c);                           \
   void roof_span(const AdamSpan& s, const AdamCoeffs& c);                           \
   void cast_span(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n, bool stream); \
+  void lowbit_blocks(const LowBitTensorList& t, const LowBitCall& call, int64_t k, int64_t first, int64_t last); \
   }
 ZK_DECLARE_ISA(avx512)
 ZK_DECLARE_ISA(avx2)
@@ -42,6 +47,7 @@ struct Variant {
   AdamSpanFn adam;
   AdamSpanFn roof;
   CastSpanFn cast;
+  LowBitBlocksFn lowbit;
 };
 
 // The widest variant this CPU runs (or the one ZEROKERN_CPU_CAPABILITY names),

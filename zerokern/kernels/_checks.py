@@ -177,3 +177,82 @@ def check_unflatten_args(flat, tensors, name, offsets, flat_name="flat"):
     off = resolve_offsets(tensors, name, offsets)
     check_fits(flat, tensors, name, off, offsets is None, flat_name)
     return off
+
+
+# --- low-bit Adam (lowbit_ops.fused_adam_lowbit_) ---
+
+_STATE = (torch.float32, torch.bfloat16, torch.uint8)
+_PARAM_LOWBIT = (torch.float32, torch.bfloat16)
+
+
+def _one_format(lst, name, allowed):
+    dtypes = {t.dtype for t in lst if isinstance(t, torch.Tensor)}
+    if len(dtypes) > 1:
+        raise TypeError(f"{name} mixes {_names(sorted(dtypes, key=str))}; one call takes one format")
+    return lst[0].dtype if lst and isinstance(lst[0], torch.Tensor) else allowed[0]
+
+
+def _check_scales(scales, name, i, p0, numel):
+    from .lowbit import num_blocks
+
+    where = f"{name}[{i}]"
+    s = scales[i]
+    if not isinstance(s, torch.Tensor) or s.dtype != torch.float32:
+        raise TypeError(f"{where} must be a float32 tensor (one scale per block)")
+    if s.device != p0.device or not s.is_contiguous():
+        raise ValueError(f"{where} must be contiguous on {p0.device}")
+    if s.numel() != num_blocks(numel):
+        raise ValueError(f"{where} has {s.numel()} scales, params[{i}] has {numel} elements: "
+                         f"{num_blocks(numel)} blocks")
+
+
+def check_lowbit_args(params, grads, exp_avgs, exp_avg_sqs, model_params, exp_avg_scales, exp_avg_sq_scales,
+                      index_bases, seed, h: AdamHyper):
+    check_hyper(h)
+    n = len(params)
+    for name, lst in (("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs),
+                      ("model_params", model_params or [None] * n),
+                      ("exp_avg_scales", exp_avg_scales if exp_avg_scales is not None else [None] * n),
+                      ("exp_avg_sq_scales", exp_avg_sq_scales if exp_avg_sq_scales is not None else [None] * n),
+                      ("index_bases", index_bases if index_bases is not None else [0] * n)):
+        if len(lst) != n:
+            raise ValueError(f"{name} has {len(lst)} entries, params has {n}")
+    if n == 0:
+        return
+    p0 = params[0]
+    if not isinstance(p0, torch.Tensor):
+        raise TypeError(f"params[0] is {type(p0).__name__}, expected a tensor")
+    pdt = _one_format(params, "params", _PARAM_LOWBIT)
+    mdt, vdt = _one_format(exp_avgs, "exp_avgs", _STATE), _one_format(exp_avg_sqs, "exp_avg_sqs", _STATE)
+    if model_params and pdt != torch.float32:
+        raise ValueError("model_params are written from fp32 master params; bf16 params are updated in place")
+    stochastic = pdt == torch.bfloat16 or torch.bfloat16 in (mdt, vdt)
+    if stochastic and index_bases is None:
+        raise ValueError("index_bases are needed where values are rounded stochastically (bf16 params or "
+                         "state): the global index of each tensor's first element keys the random stream")
+    if not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
+    for state_dt, scales, name in ((mdt, exp_avg_scales, "exp_avg_scales"), (vdt, exp_avg_sq_scales,
+                                                                             "exp_avg_sq_scales")):
+        if state_dt == torch.uint8 and scales is None:
+            raise ValueError(f"{name} are needed for uint8 state (one float32 scale per block)")
+    for i in range(n):
+        numel = params[i].numel() if isinstance(params[i], torch.Tensor) else 0
+        _check_tensor(params[i], "params", i, p0, numel, _PARAM_LOWBIT)
+        _check_tensor(grads[i], "grads", i, p0, numel, _GRAD)
+        _check_tensor(exp_avgs[i], "exp_avgs", i, p0, numel, _STATE)
+        _check_tensor(exp_avg_sqs[i], "exp_avg_sqs", i, p0, numel, _STATE)
+        if model_params:
+            _check_tensor(model_params[i], "model_params", i, p0, numel, _LOW)
+        if mdt == torch.uint8:
+            _check_scales(exp_avg_scales, "exp_avg_scales", i, p0, numel)
+        if vdt == torch.uint8:
+            _check_scales(exp_avg_sq_scales, "exp_avg_sq_scales", i, p0, numel)
+        if index_bases is not None and (not isinstance(index_bases[i], int) or index_bases[i] < 0):
+            raise ValueError(f"index_bases[{i}] must be a non-negative int, got {index_bases[i]!r}")
+        if numel > 0:
+            ptrs = (params[i].data_ptr(), exp_avgs[i].data_ptr(), exp_avg_sqs[i].data_ptr())
+            if len(set(ptrs)) != 3:
+                raise ValueError(f"params[{i}], exp_avgs[{i}] and exp_avg_sqs[{i}] must not share memory")
+    for name in ("lr", "step", "grad_scale", "found_inf"):
+        check_scalar_tensor(getattr(h, name), name, p0)

@@ -12,12 +12,15 @@ from typing import Optional
 
 import torch
 
+from ..kernels import lowbit
 from ..kernels.backends.registry import resolve
 from ..kernels.ops import fused_adam_
 from ..zero import checkpoint
 from ..zero.engine import ZeroEngine, forward_order  # noqa: F401 (forward_order: tests)
 from .engine_optimizer import EngineOptimizer
 from .hyper import check_hyper
+from .lowbit_update import block_slice, check_lowbit_options, lowbit_update
+from ..zero.lowbit_store import StatePolicy
 from .update_lists import UniformCalls, extend_calls
 from .zero_setup import validated_groups
 
@@ -106,11 +109,13 @@ class FusedZeroAdam(EngineOptimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=None, *, adam_w_mode=True,
                  bias_correction=True, zero_stage=None, process_group=None, bucket_cap_mb=None, overlap_comm=None,
-                 max_grad_norm=None, backend="auto", offload=None, overlap_param_gather=None):
+                 max_grad_norm=None, backend="auto", offload=None, overlap_param_gather=None,
+                 state_precision="fp32", master_weights=True, rounding_seed=0):
         if weight_decay is None:  # the defaults of the classes users swap out: AdamW 0.01, Adam 0
             weight_decay = 0.01 if adam_w_mode else 0.0
         check_hyper(lr, betas, eps, weight_decay)
         self.options = StepOptions(adam_w_mode, bias_correction, max_grad_norm, backend)
+        self.state_policy = StatePolicy(state_precision, master_weights, rounding_seed)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         self.max_grad_norm = max_grad_norm
         self._constructing = True
@@ -123,8 +128,11 @@ class FusedZeroAdam(EngineOptimizer):
         self.engine = ZeroEngine(self, [g["params"] for g in self.param_groups], names, zero_stage=zero_stage,
                                  process_group=process_group, bucket_cap_mb=bucket_cap_mb, overlap_comm=overlap_comm,
                                  offload=offload, overlap_param_gather=overlap_param_gather,
-                                 what="FusedZeroAdam", options=repr(self.options))
+                                 what="FusedZeroAdam", options=repr((self.options, self.state_policy)),
+                                 state=None if self.state_policy.plain else self.state_policy)
         trainable = self.engine.trainable
+        if not self.state_policy.plain:
+            check_lowbit_options(self.state_policy, self.engine, names, backend)
         if trainable:
             resolve(backend, trainable[0].device)  # an unknown or unusable backend fails here
         group_of = {p: gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
@@ -146,10 +154,17 @@ class FusedZeroAdam(EngineOptimizer):
                   "exp_avg_sq": store.exp_avg_sq[off:off + n]}
             if store.separate_master:
                 st["master_param"] = store.master[off:off + n]
+            scales = getattr(store, "scales", lambda: None)()
             if self.strategy.shards_state:  # [Note: sharded state in checkpoints]
                 for key in checkpoint.SLICED:
                     if key in st:
                         checkpoint.mark_slice(st[key], start, n, shape.numel())  # stage 3: p is empty
+            for key, sc in (scales or {}).items():  # int8: the blocks of this piece ([Note: int8 shards in blocks])
+                st[key + checkpoint.SCALE] = sc[block_slice(off, n)]
+                if self.strategy.shards_state:
+                    blocks = lowbit.num_blocks
+                    checkpoint.mark_slice(st[key + checkpoint.SCALE], start // lowbit.BLOCK, blocks(n),
+                                          blocks(shape.numel()))
             self.state[p] = st
 
     @property
@@ -158,6 +173,10 @@ class FusedZeroAdam(EngineOptimizer):
 
     def _update(self, had, scale):  # noqa: D102 (EngineOptimizer's)
         """The fused update of every shard (one kernel call per param group and step count)."""
+        if not self.state_policy.plain:
+            lowbit_update(self, had, scale, self._steps)
+            self._step_buffer += torch.tensor(had, dtype=torch.float32)
+            return
         stores = self.stores
         if isinstance(scale, torch.Tensor) and stores and scale.device != stores[0].device:
             scale = scale.to(stores[0].device)  # offloaded stores update on the CPU

@@ -7,7 +7,7 @@ import math
 import re
 import sys
 
-from .model import DTYPE_BYTES, plan
+from .model import DTYPE_BYTES, STATE_BYTES, plan
 from .units import parse_size
 
 
@@ -72,6 +72,12 @@ def parser():
     par.add_argument("--stage", type=count, choices=[0, 1, 2, 3], help="mark this ZeRO stage (all are shown)")
     hw = ap.add_argument_group("training and hardware")
     hw.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_BYTES))
+    hw.add_argument("--state-precision", default="fp32", choices=list(STATE_BYTES),
+                    help="Adam's moments: fp32 (8 bytes/param), bf16 (4) or int8 blocks (2.03); FusedZeroAdam's "
+                         "state_precision")
+    hw.add_argument("--no-master-weights", action="store_true",
+                    help="bf16 params updated without fp32 masters (stochastic rounding): FusedZeroAdam's "
+                         "master_weights=False")
     hw.add_argument("--offload-optimizer", choices=["none", "cpu"], default="none",
                     help="keep fp32 master weights and Adam state in CPU memory (ZeRO stage 1 and up)")
     hw.add_argument("--gpu-memory", type=parse_bytes, default=80e9,
@@ -91,7 +97,8 @@ def _gb(x):
 
 def render(p, marked=None):
     lines = [f"zerokern plan: {p.params_total:.4g} params in all, {p.params_per_gpu:.4g} on each GPU; "
-             f"dp={p.dp} tp={p.tp} pp={p.pp}, {p.dtype}, Adam"
+             f"dp={p.dp} tp={p.tp} pp={p.pp}, {p.dtype}, Adam with {p.state_precision} moments"
+             + ("" if p.master_weights or p.dtype == "fp32" else ", no fp32 masters")
              + (", optimizer offloaded to CPU" if p.offload_optimizer else ""),
              f"  {p.formula}",
              f"GB per GPU (1 GB = 1e9 bytes); fits in {_gb(p.gpu_memory_bytes)} GB = model states only, "
@@ -150,7 +157,8 @@ def main(argv=None):
                  ffn_hidden=args.ffn_hidden, arch=args.arch, kv_heads=args.kv_heads, dp=args.dp, tp=args.tp, pp=args.pp, dtype=args.dtype,
                  offload_optimizer=args.offload_optimizer, gpu_memory=args.gpu_memory,
                  micro_batches=args.micro_batches, dp_bandwidth=args.dp_bandwidth,
-                 bucket_cap_mb=args.bucket_cap_mb, unit_params=args.unit_params, root_params=args.root_params)
+                 bucket_cap_mb=args.bucket_cap_mb, unit_params=args.unit_params, root_params=args.root_params,
+                 state_precision=args.state_precision, master_weights=not args.no_master_weights)
     except ValueError as e:
         ap.error(str(e))  # exit code 2
     if args.json:

@@ -72,6 +72,9 @@ from typing import List, Optional
 from .units import to_bytes
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# Adam's two moments per param: fp32, bf16, or int8 codes with one fp32 scale per block of 256
+# ([Note: blockwise 8-bit state] in zerokern/kernels/lowbit.py)
+STATE_BYTES = {"fp32": 8.0, "bf16": 4.0, "int8": 2.0 + 2 * 4 / 256}
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,8 @@ class Plan:
     pipeline_bubble: float
     stages: List[StagePlan] = field(default_factory=list)
     formula: str = ""
+    state_precision: str = "fp32"
+    master_weights: bool = True
 
     @property
     def smallest_fitting_stage(self) -> Optional[int]:
@@ -156,7 +161,8 @@ def _positive(name, value, allow_zero=False):
 
 def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_hidden=None, arch="gpt",
          kv_heads=None, dp=1, tp=1, pp=1, dtype="bf16", offload_optimizer=None, gpu_memory=80e9, micro_batches=1,
-         dp_bandwidth=100e9, bucket_cap_mb=25.0, largest_param=None, unit_params=None, root_params=None) -> Plan:
+         dp_bandwidth=100e9, bucket_cap_mb=25.0, largest_param=None, unit_params=None, root_params=None,
+         state_precision="fp32", master_weights=True) -> Plan:
     """The memory and communication plan for every ZeRO stage. Give either
     `params` (a count; tp and pp then split it evenly) or the shape (layers,
     hidden, heads, vocab[, ffn_hidden]) of a GPT-style (arch="gpt") or Llama-style
@@ -165,11 +171,19 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
     the rest); with `params`, unit_params (and root_params, default largest_param) if given,
     else stage 3's gathered_bytes is None (not modelled) and its total leaves it out.
     gpu_memory and dp_bandwidth take bytes (per second) as a number, or the command line's strings
-    with a unit: '24GB', '24GiB', '100GB/s', '400Gb/s' (bits); a string without a unit is refused."""
+    with a unit: '24GB', '24GiB', '100GB/s', '400Gb/s' (bits); a string without a unit is refused.
+    state_precision ("fp32", "bf16", "int8") and master_weights (False: bf16 params without fp32
+    masters) are FusedZeroAdam's options of the same names. The int8 layout's padding (each param
+    starts on a block of 256 elements, under 256 per param) is not counted."""
     if arch not in ("gpt", "llama"):
         raise ValueError(f"arch must be 'gpt' or 'llama', got {arch!r}")
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPE_BYTES)}")
+    if state_precision not in STATE_BYTES:
+        raise ValueError(f"unknown state_precision {state_precision!r}; choose one of {', '.join(STATE_BYTES)}")
+    if not master_weights and dtype != "bf16":
+        raise ValueError(f"master_weights=False is for bf16 training (dtype {dtype!r}): fp32 params are their own "
+                         "masters, fp16 ones need them")
     if offload_optimizer not in (None, "none", "cpu"):
         raise ValueError(f"offload_optimizer must be 'cpu' or None, got {offload_optimizer!r}")
     offload = offload_optimizer == "cpu"
@@ -236,8 +250,9 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
         root_params = largest_param or 0
     b = DTYPE_BYTES[dtype]
     p_bytes, g_bytes = b * per_gpu, b * per_gpu
-    master = 0 if dtype == "fp32" else 4 * per_gpu  # fp32 training updates the params themselves
-    adam = 8 * per_gpu
+    # fp32 training updates the params themselves; so does bf16 without masters
+    master = 0 if dtype == "fp32" or not master_weights else 4 * per_gpu
+    adam = STATE_BYTES[state_precision] * per_gpu
     stages = []
     for stage in range(4):
         shard = lambda x, s: x / dp if stage >= s else x  # noqa: E731
@@ -264,4 +279,5 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
     return Plan(params_total=total, params_per_gpu=per_gpu, dp=dp, tp=tp, pp=pp, dtype=dtype,
                 offload_optimizer="cpu" if offload else None, gpu_memory_bytes=gpu_memory,
                 dp_bandwidth_bytes_per_s=dp_bandwidth, micro_batches=micro_batches,
-                pipeline_bubble=(pp - 1) / (micro_batches + pp - 1), stages=stages, formula=formula)
+                pipeline_bubble=(pp - 1) / (micro_batches + pp - 1), stages=stages, formula=formula,
+                state_precision=state_precision, master_weights=master_weights)

@@ -26,6 +26,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import ddp_guard
 from . import model_state
 from .comm import Comm, make_comm
+from .lowbit_store import StatePolicy
 from .materialize import in_scope, materialize
 from .stage3 import runtime_for
 from .stage import OffloadPolicy, ParamMode, ShardConfig
@@ -89,7 +90,7 @@ def _forward_pre_hook(module, args):
 def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket_cap_mb: float = 25.0,
           overlap_comm: bool = True, offload: Optional[OffloadPolicy] = None,
           overlap_param_gather: bool = False, reshard_after_forward: bool = True, device=None,
-          init: Optional[Callable[[torch.nn.Module], None]] = None) -> torch.nn.Module:
+          init: Optional[Callable[[torch.nn.Module], None]] = None, state_precision: str = "fp32") -> torch.nn.Module:
     """Make `module` a unit: its trainable params not owned by a unit inside it are
     flattened into buckets that one FusedZeroAdam (built later over the params)
     reduces, updates and gathers. Call it on each block, then on the root. Returns
@@ -102,13 +103,17 @@ def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket
     keeps them from forward to backward); [Note: stage-3 params] in zero/stage3.py. At stage 3
     the module may be on the meta device: its own params are then materialised on `device` (None:
     the current CUDA device if there is one, else the CPU), initialised by reset_parameters() or
-    init(module), and sharded before shard() returns ([Note: meta init] in zero/materialize.py)."""
+    init(module), and sharded before shard() returns ([Note: meta init] in zero/materialize.py).
+    state_precision: what the optimizer will keep Adam's moments in; "int8" lays the buckets out in
+    blocks of 256 elements ([Note: int8 shards in blocks] in zero/lowbit_store.py), so pass the
+    same value to FusedZeroAdam."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"shard() takes an nn.Module, got {type(module).__name__}")
     if isinstance(module, ZeroModule):
         raise ValueError(f"{type(module).__name__} is already sharded (zerokern.shard was called on it)")
+    align = StatePolicy(state_precision).align  # validates it
     config = ShardConfig(stage, bucket_cap_mb, overlap_comm, offload, overlap_param_gather=overlap_param_gather,
-                         reshard_after_forward=reshard_after_forward)
+                         reshard_after_forward=reshard_after_forward, **({} if align is None else {"align": align}))
     if init is not None and not callable(init):
         raise TypeError(f"init must be a callable taking the module, got {type(init).__name__}")
     comm = make_comm(process_group)

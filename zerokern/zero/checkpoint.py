@@ -29,8 +29,13 @@ import importlib.util
 
 import torch
 
+from ..kernels import lowbit
+
 FORMAT = 3
 SLICED = ("exp_avg", "exp_avg_sq", "master_param")
+MOMENTS = ("exp_avg", "exp_avg_sq")
+SIGNED = {"exp_avg": True, "exp_avg_sq": False}  # the dynamic map of each moment's int8 codes
+SCALE = "_scale"  # "exp_avg_scale": int8 codes' block scales, sliced by blocks ([Note: int8 shards in blocks])
 # torch.distributed.checkpoint reads the marks below from torch 2.14 on; before that it would
 # take each rank's slice for a whole tensor and keep one rank's.
 HAS_PROTOCOL = importlib.util.find_spec("torch.distributed.checkpoint.protocol") is not None
@@ -122,7 +127,9 @@ def full_state_dict(opt):
     state, masters = {}, {}
     for s in opt.stores:
         dev = s.bucket.device
-        m, v = _gather(opt, s.exp_avg, dev), _gather(opt, s.exp_avg_sq, dev)
+        scales = s.scales() if hasattr(s, "scales") else None
+        moments = {key: (_gather(opt, s.state[key], dev), _gather(opt, scales[key], dev) if scales else None)
+                   for key in MOMENTS}
         w = _gather(opt, s.master, dev) if s.separate_master and s.master_valid else None
         if opt.comm.rank != 0:
             continue
@@ -131,9 +138,10 @@ def full_state_dict(opt):
             k = index[p]
             sl = slice(slot.offset, slot.offset + slot.numel)
             step = int(opt.state[p]["step"].item())
-            if step > 0:
-                state[k] = {"step": torch.tensor(float(step)), "exp_avg": m[sl].view(shape).clone(),
-                            "exp_avg_sq": v[sl].view(shape).clone()}
+            if step > 0:  # torch.optim.AdamW's format: fp32, whole (low-bit state decoded)
+                state[k] = {"step": torch.tensor(float(step))}
+                for key, (full, full_scales) in moments.items():
+                    state[k][key] = _decoded(full[sl], full_scales, slot.offset, SIGNED[key]).view(shape)
             if w is not None and s.low_precision:
                 masters[k] = w[sl].view(shape).clone()
     if opt.comm.rank != 0:
@@ -142,6 +150,15 @@ def full_state_dict(opt):
     if masters:
         out["zerokern_master"] = masters
     return out
+
+
+def _decoded(codes, scales, offset, signed):
+    """fp32 values of a param's state (a copy): int8 codes decoded with their blocks' scales
+    (the param's blocks start at `offset`, a multiple of BLOCK), bf16 widened."""
+    if codes.dtype == torch.uint8:
+        first = offset // lowbit.BLOCK
+        return lowbit.dequantize(codes, scales[first:first + lowbit.num_blocks(codes.numel())], signed)
+    return codes.to(torch.float32, copy=True)
 
 
 def _check_groups(opt, saved):
@@ -208,8 +225,8 @@ def load_state_dict(opt, sd):
         def part(t, key):
             return _my_slice(t, shapes[p], start, n, k, key, opt.comm.rank, mine_too)
 
-        for key in ("exp_avg", "exp_avg_sq"):
-            copies.append((mine[key], part(theirs[key], key) if key in theirs else None))
+        for key in MOMENTS:
+            copies += _moment_copies(mine, theirs, key, shapes[p], start, n, k, opt.comm.rank, mine_too)
         steps.append((mine["step"], float(theirs.get("step", 0))))
         master = theirs.get("master_param", masters.get(k))
         if "master_param" in mine and master is not None:
@@ -232,6 +249,32 @@ def load_state_dict(opt, sd):
         dst.fill_(value)
     for s, ok in valid.items():
         s.master_valid = ok
+
+
+def _moment_copies(mine, theirs, key, shape, start, n, k, rank, mine_too):
+    """(destination, source) pairs that load saved moment `key` of param k into this rank's state,
+    converting between formats: int8 codes (with their block scales), bf16 or fp32, either way."""
+    dst = mine[key]
+    signed = SIGNED[key]
+    if key not in theirs:
+        value = None
+    elif theirs[key].dtype == torch.uint8:
+        if key + SCALE not in theirs:
+            raise ValueError(f"state[{k}]['{key}'] holds int8 codes, but the state dict has no '{key}{SCALE}' "
+                             "(their block scales) for it")
+        codes = _my_slice(theirs[key], shape, start, n, k, key, rank, mine_too)
+        blocks = lowbit.num_blocks
+        scales = _my_slice(theirs[key + SCALE], torch.Size([blocks(shape.numel())]), start // lowbit.BLOCK,
+                           blocks(n), k, key + SCALE, rank, mine_too)
+        if dst.dtype == torch.uint8:
+            return [(dst, codes), (mine[key + SCALE], scales)]
+        value = lowbit.dequantize(codes, scales, signed)
+    else:
+        value = _my_slice(theirs[key], shape, start, n, k, key, rank, mine_too)
+    if dst.dtype != torch.uint8:
+        return [(dst, value)]
+    codes, scales = lowbit.quantize(torch.zeros(n) if value is None else value.float(), signed)
+    return [(dst, codes), (mine[key + SCALE], scales)]
 
 
 def _my_slice(t, shape, start, n, k, key, rank, mine_too):

@@ -28,6 +28,7 @@ from .schedule import ReduceSchedule
 from .comm import make_comm
 from .stage import GradMode, ParamMode, ShardConfig, optimizer_stage
 from .stage3 import runtime_for
+from .lowbit_store import LowBitStore
 from .store import ShardStore
 
 NORM_CHUNK = 1 << 15  # elements per partial norm of the global grad norm (see _global_norm)
@@ -59,8 +60,10 @@ def owner_of(params):
     return owner
 
 
-def sharding(units, zero_stage, process_group, bucket_cap_mb, overlap_comm, offload, overlap_param_gather):
-    """(Comm, ShardConfig) for the params: the units' own, or one from the arguments."""
+def sharding(units, zero_stage, process_group, bucket_cap_mb, overlap_comm, offload, overlap_param_gather,
+             align=None):
+    """(Comm, ShardConfig) for the params: the units' own, or one from the arguments. align: the
+    element multiple the state needs its shards in (int8 state: its blocks), or None."""
     if units:
         # Bucket size and reshard_after_forward are each unit's own (a root often keeps its params
         # gathered, as FSDP2's reshard_after_forward=False); the rest is one engine's, so alike.
@@ -78,6 +81,11 @@ def sharding(units, zero_stage, process_group, bucket_cap_mb, overlap_comm, offl
             if mine is not None and mine != theirs:
                 raise ValueError(f"zerokern: FusedZeroAdam({name}={mine!r}), but zerokern.shard() set {theirs!r} "
                                  f"for these params; pass it to shard() only")
+        unaligned = [u for u in units if align is not None and u.config.align % align]
+        if unaligned:
+            raise ValueError(f"zerokern: unit '{unaligned[0].name}' was laid out for fp32 or bf16 state; int8 state "
+                             f"keeps one scale per block of {align} elements, so the shards must align to them: "
+                             "pass state_precision='int8' to zerokern.shard() too")
         if process_group is not None and process_group is not units[0].comm.group:
             raise ValueError("zerokern: FusedZeroAdam got another process_group than zerokern.shard(); pass it "
                              "to shard() only")
@@ -86,15 +94,17 @@ def sharding(units, zero_stage, process_group, bucket_cap_mb, overlap_comm, offl
     stage = optimizer_stage(zero_stage, comm.world_size)
     return comm, ShardConfig(stage, 25.0 if bucket_cap_mb is None else bucket_cap_mb,
                              True if overlap_comm is None else overlap_comm, offload,
+                             **({} if align is None else {"align": align}),
                              overlap_param_gather=False if overlap_param_gather is None else overlap_param_gather)
 
 
 class ZeroEngine:
     def __init__(self, optimizer, groups, names, *, zero_stage=None, process_group=None, bucket_cap_mb=None,
                  overlap_comm=None, offload=None, overlap_param_gather=None, state_keys=("exp_avg", "exp_avg_sq"),
-                 what="FusedZeroAdam", options=""):
+                 what="FusedZeroAdam", options="", state=None):
         """groups: the param groups' param lists (validated); names: {param: name} where known.
-        state_keys: the fp32 state tensors each store keeps per shard (the optimizer's own)."""
+        state_keys: the state tensors each store keeps per shard (the optimizer's own). state: a
+        StatePolicy (lowbit_store.py) for low-bit state or params without masters, else None."""
         self.optimizer = weakref.ref(optimizer)  # the runtime never calls up into it
         self.what = what
         all_params = [p for g in groups for p in g]
@@ -103,7 +113,7 @@ class ZeroEngine:
         owned = list({id(u): u for u in (unit_of(p) for p in self.trainable) if u is not None}.values())
         loose = [p for p in self.trainable if unit_of(p) is None]
         self.comm, config = sharding(owned, zero_stage, process_group, bucket_cap_mb, overlap_comm, offload,
-                                     overlap_param_gather)
+                                     overlap_param_gather, state.align if state is not None else None)
         self.zero_stage = config.stage  # as given; what it means is self.strategy
         self.strategy = strategy = config.strategy(self.comm.world_size)
         index = {p: k for k, p in enumerate(all_params)}
@@ -148,11 +158,18 @@ class ZeroEngine:
         if strategy.params is ParamMode.GATHER_PER_UNIT:
             self.stage3 = runtime_for(self.comm)
             self.stage3.expect_order(forward_order(owned, index))
-        self.stores = [ShardStore(f, b, config.offload, state_keys) for f, b in placed]
+        self.stores = [ShardStore(f, b, config.offload, state_keys) if state is None else LowBitStore(f, b, state)
+                       for f, b in placed]
         self._members = [[tindex[f.params[i]] for i in f.layout.buckets[b].tensors] for f, b in placed]
         self._flat_members = [(f, [tindex[p] for p in f.params]) for u in self.units for f in u.flat]
         # per store, [(trainable index, shard offset, numel, start in the flattened param)] in shard order
         self.pieces = [self._pieces_of(s, tindex) for s in self.stores]
+        # each trainable param's first element in the global count that keys stochastic rounding
+        # (over the params in order, so the same at every world size and stage: [Note: reproducible rounding])
+        starts = [0]
+        for f, i in (self._where(p) for p in self.trainable):
+            starts.append(starts[-1] + f.members[i].shape.numel())
+        self.global_starts = starts[:-1]
         # [Note: gather behind forward]: the next forward uses the buckets in the reverse of backward's order
         gathered = strategy.params is ParamMode.GATHER_AFTER_STEP
         in_order = self.stores[::-1]
@@ -168,6 +185,9 @@ class ZeroEngine:
         self._overflow_seen = False  # clip_grad_norm_'s reduction found an overflow (fp16) this round
         self.last_step_skipped = False  # the last step() skipped the update (an inf/nan on some rank)
         ddp_guard.watch(optimizer, self.units)  # [Note: DDP wrap] in ddp_guard.py
+
+    def _where(self, p):
+        return unit_of(p).locate(p)
 
     @staticmethod
     def _pieces_of(store, tindex):

@@ -73,3 +73,20 @@ def unflatten(flat, like, offsets):
 
 def unflatten_into(flat, targets, offsets):
     torch.ops.zerokern.unflatten_into_(flat, targets, _int_list(offsets))
+
+
+def fused_adam_lowbit_(params, grads, exp_avgs, exp_avg_sqs, model_params, exp_avg_scales, exp_avg_sq_scales,
+                       index_bases, seed, h: AdamHyper):
+    """The compiled low-bit kernel (CPU tensors); lowbit_ops validated the lists. Tensor
+    hyper-parameters and found_inf are read on the host here, as the CPU kernel would."""
+    from .. import lowbit
+
+    if not params or (h.found_inf is not None and h.found_inf.item() != 0):
+        return
+    lr, step, scale = (float(x.item()) if isinstance(x, torch.Tensor) else x for x in (h.lr, h.step, h.grad_scale))
+    torch.ops.zerokern.fused_adam_lowbit_(
+        params, grads, exp_avgs, exp_avg_sqs, model_params or [], exp_avg_scales or [], exp_avg_sq_scales or [],
+        index_bases if index_bases is not None else [0] * len(params), lowbit.maps(params[0].device),
+        seed - 2**64 if seed >= 2**63 else seed, lr=float(lr), beta1=h.beta1, beta2=h.beta2, eps=h.eps,
+        weight_decay=h.weight_decay, step=float(step), adam_w_mode=h.adam_w_mode, bias_correction=h.bias_correction,
+        grad_scale=1.0 if scale is None else float(scale))

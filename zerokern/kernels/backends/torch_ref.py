@@ -9,6 +9,7 @@ import torch
 
 from .._checks import check_adam_args, check_flatten_args, check_unflatten_args
 from .hyper import AdamHyper, coefficients
+from .torch_lowbit import fused_adam_lowbit_  # noqa: F401 (the reference's low-bit op, torch_lowbit.py)
 
 
 def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, model_params, h: AdamHyper):

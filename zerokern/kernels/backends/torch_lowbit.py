@@ -1,0 +1,62 @@
+"""Plain-PyTorch low-bit Adam: the reference that defines fused_adam_lowbit_'s numbers, and the
+fallback that runs anywhere. The update is torch_ref.fused_adam_'s, op for op, on fp32 copies of
+the moments and params; what differs is only how state and params are read and written
+(lowbit.py). It reads found_inf and tensor hyper-parameters on the host."""
+
+import torch
+
+from .. import lowbit
+from .hyper import AdamHyper, coefficients
+
+
+def _read(state, scales, signed):
+    if state.dtype == torch.uint8:
+        return lowbit.dequantize(state, scales, signed).view(state.shape)
+    return state if state.dtype == torch.float32 else state.float()
+
+
+def _write(state, value, scales, signed, seed, step, stream, base):
+    """value (fp32) back into state: in place already (fp32), stochastically rounded (bf16), or
+    requantized with new block scales (uint8)."""
+    if state.dtype == torch.float32:
+        return
+    if state.dtype == torch.uint8:
+        codes, new_scales = lowbit.quantize(value, signed)
+        state.copy_(codes.view(state.shape))
+        scales.copy_(new_scales)
+        return
+    rand = lowbit.random16(seed, step, stream, lowbit.element_index(base, value.numel(), value.device))
+    state.copy_(lowbit.stochastic_round_bf16(value.reshape(-1), rand).view(state.shape))
+
+
+def fused_adam_lowbit_(params, grads, exp_avgs, exp_avg_sqs, model_params, exp_avg_scales, exp_avg_sq_scales,
+                       index_bases, seed, h: AdamHyper):
+    if not params or (h.found_inf is not None and h.found_inf.item() != 0):
+        return
+    coef = coefficients(h)
+    step_size, inv_bc2_sqrt, decay, inv_scale = coef.tolist() if isinstance(coef, torch.Tensor) else coef
+    step = int(h.step.item() if isinstance(h.step, torch.Tensor) else h.step)
+    l2 = 0.0 if h.adam_w_mode else h.weight_decay
+    with torch.no_grad():
+        for i, (p, g) in enumerate(zip(params, grads)):
+            if p.numel() == 0:
+                continue
+            base = index_bases[i] if index_bases is not None else 0
+            ms = exp_avg_scales[i] if exp_avg_scales is not None else None
+            vs = exp_avg_sq_scales[i] if exp_avg_sq_scales is not None else None
+            p32 = p if p.dtype == torch.float32 else p.float()
+            m, v = _read(exp_avgs[i], ms, True), _read(exp_avg_sqs[i], vs, False)
+            g = g.float() * inv_scale
+            if l2:
+                g = g + l2 * p32
+            p32.mul_(decay)
+            m.mul_(h.beta1).add_(g, alpha=1 - h.beta1)
+            v.mul_(h.beta2).addcmul_(g, g, value=1 - h.beta2)
+            denom = (v.sqrt() * inv_bc2_sqrt).add_(h.eps)
+            p32.addcdiv_(m, denom, value=-step_size)
+            _write(exp_avgs[i], m, ms, True, seed, step, lowbit.STREAM_EXP_AVG, base)
+            _write(exp_avg_sqs[i], v, vs, False, seed, step, lowbit.STREAM_EXP_AVG_SQ, base)
+            if p.dtype != torch.float32:  # no master: the bf16 param itself, rounded stochastically
+                _write(p, p32, None, None, seed, step, lowbit.STREAM_PARAM, base)
+            elif model_params:
+                model_params[i].copy_(p32)

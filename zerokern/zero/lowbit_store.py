@@ -1,0 +1,137 @@
+"""LowBitStore: a shard store of Adam's moments in bf16 or 8-bit blocks, and of bf16 params trained
+without an fp32 master: the same protocol as ShardStore (operands(), finish(), master_valid,
+refresh_master(), nbytes()), plus the block scales of int8 state (scales()).
+
+Bytes per param this rank holds for its shard (bf16 params and grads, 2 + 2 of them, aside):
+fp32 state with masters 12, int8 state with masters 6.03, int8 state without masters 2.03
+(the codes, 1 + 1, and one fp32 scale per moment per 256 elements).
+
+[Note: int8 shards in blocks] A block never straddles two ranks' shards: the engine lays the
+buckets out with every param and every shard starting at a multiple of lowbit.BLOCK elements
+(ShardConfig.align), so blocks are counted from each param's first element, and they are the
+same blocks at every world size: each rank quantizes its own shard with no communication, and
+a checkpoint's codes and scales re-shard exactly.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..kernels import lowbit
+from .unit import FlatParams
+
+PRECISIONS = ("fp32", "bf16", "int8")
+_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
+
+
+@dataclass(frozen=True)
+class StatePolicy:
+    """How an optimizer keeps its state. precision: Adam's moments in fp32, bf16 (stochastically
+    rounded) or int8 blocks; master_weights False: bf16 params updated in place, stochastically
+    rounded, with no fp32 copy. seed keys the rounding ([Note: reproducible rounding])."""
+
+    precision: str = "fp32"
+    master_weights: bool = True
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"state_precision must be one of {', '.join(map(repr, PRECISIONS))}, "
+                             f"got {self.precision!r}")
+        if not isinstance(self.master_weights, bool):
+            raise TypeError(f"master_weights must be True or False, got {self.master_weights!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise ValueError(f"rounding_seed must be an int in [0, 2**63), got {self.seed!r}")
+
+    @property
+    def plain(self) -> bool:
+        """fp32 moments with masters: ShardStore's own format."""
+        return self.precision == "fp32" and self.master_weights
+
+    @property
+    def align(self) -> Optional[int]:
+        return lowbit.BLOCK if self.precision == "int8" else None
+
+    @property
+    def state_dtype(self) -> torch.dtype:
+        return _DTYPE[self.precision]
+
+
+class LowBitStore:
+    def __init__(self, flat: FlatParams, b: int, policy: StatePolicy):
+        self.flat, self.b, self.policy = flat, b, policy
+        self.bucket = flat.buckets[b]
+        shard = self._param_shard = flat.param_shard(b)
+        self.device = shard.device
+        self.offloaded = False
+        self.low_precision = shard.dtype != torch.float32
+        self.separate_master = policy.master_weights and self.low_precision
+        self.master = torch.zeros_like(shard, dtype=torch.float32) if self.separate_master else shard
+        self.staging = None
+        n = shard.numel()
+        dtype = policy.state_dtype
+        self.state = {"exp_avg": torch.zeros(n, dtype=dtype, device=self.device),
+                      "exp_avg_sq": torch.zeros(n, dtype=dtype, device=self.device)}
+        self._scales = None
+        if dtype == torch.uint8:  # [Note: int8 shards in blocks]: n is a multiple of BLOCK
+            zero_m, _ = lowbit.quantize(torch.zeros(1, device=self.device), True)
+            self.state["exp_avg"].fill_(int(zero_m[0]))  # the signed map's 0 is not code 0
+            self._scales = {k: torch.zeros(lowbit.num_blocks(n), device=self.device) for k in self.state}
+        self.refresh_master()
+        self.master_valid = not self.separate_master
+        self._filled_version = None
+
+    exp_avg = property(lambda self: self.state["exp_avg"])
+    exp_avg_sq = property(lambda self: self.state["exp_avg_sq"])
+
+    def param_shard(self) -> torch.Tensor:
+        return self._param_shard
+
+    def scales(self):
+        """{state key: fp32 block scales} of int8 state, else None."""
+        return self._scales
+
+    def refresh_master(self) -> None:
+        if self.separate_master:
+            self.master.copy_(self._param_shard)
+        self.master_valid = True
+
+    def fill_unread_master(self) -> None:
+        if self.separate_master and not self.master_valid:
+            self.master.copy_(self._param_shard)
+            self._filled_version = self.master._version
+
+    def is_round_trip(self, views, given) -> bool:
+        return (self._filled_version is not None and self._filled_version == self.master._version
+                and all(torch.equal(v, g.to(v.device)) for v, g in zip(views, given)))
+
+    def refresh_params(self, indices) -> None:
+        """Params given new values: a separate master re-reads them (as ShardStore does, element
+        by element where the master rounds to the param)."""
+        if not self.separate_master:
+            return
+        f = self.flat
+        for pc in f.layout.rank_pieces(f.rank, self.b):
+            if pc.index in indices:
+                sl = slice(pc.shard_offset, pc.shard_offset + pc.numel)
+                shard, master = self._param_shard[sl], self.master[sl]
+                if not self.master_valid:
+                    master.copy_(shard)
+                    continue
+                master.copy_(torch.where(master.to(shard.dtype) == shard, master, shard.to(master.dtype)))
+
+    def operands(self):
+        """(params, grad, exp_avg, exp_avg_sq, model): params the fp32 master, or without one the
+        bf16 param shard itself; model the bf16/fp16 shard written from a separate master."""
+        model = self._param_shard if self.separate_master else None
+        return (self.master, self.bucket.reduced_grad(), self.state["exp_avg"], self.state["exp_avg_sq"], model)
+
+    def finish(self) -> None:
+        pass
+
+    def nbytes(self) -> dict:
+        size = self.state["exp_avg"].element_size()
+        scales = sum(t.numel() * 4 for t in self._scales.values()) if self._scales else 0
+        return {"master_params": self.master.numel() * 4 if self.separate_master else 0,
+                "adam_state": sum(t.numel() * size for t in self.state.values()) + scales}

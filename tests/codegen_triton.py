@@ -12,10 +12,12 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from zerokern.kernels.backends import triton_adam, triton_flat
+from zerokern.kernels.backends import triton_adam, triton_flat, triton_lowbit
 
 DTYPES = {"fp32": tl.float32, "fp16": tl.float16, "bf16": tl.bfloat16}
-TABLES = {"table_ptr": "*i64", "tile_tensor_ptr": "*i32", "first_tile_ptr": "*i64", "numel_ptr": "*i64"}
+TABLES = {"table_ptr": "*i64", "tile_tensor_ptr": "*i32", "first_tile_ptr": "*i64", "numel_ptr": "*i64",
+          "base_ptr": "*i64", "scells_ptr": "*i32", "ucells_ptr": "*i32"}
+INTS = {"n_tensors": "i32", "seed": "i64", "step": "i32"}
 
 
 def ptx_counts(kernel, constexprs, num_warps):
@@ -25,8 +27,8 @@ def ptx_counts(kernel, constexprs, num_warps):
             signature[name] = "constexpr"
         elif name.endswith("_ptr"):
             signature[name] = TABLES.get(name, "*fp32")
-        elif name == "n_tensors":
-            signature[name] = "i32"
+        elif name in INTS:
+            signature[name] = INTS[name]
         else:
             signature[name] = "fp32"
     # Tensor arguments are 16-byte aligned (torch's allocator) and Triton's launcher tells the
@@ -54,6 +56,14 @@ def main(num_warps):
             for aligned in (True, False) if src == dst == "fp32" else (True,):
                 out[f"cast src={src} dst={dst} aligned={aligned}"] = ptx_counts(triton_flat._cast_kernel, {
                     "SRC_T": DTYPES[src], "DST_T": DTYPES[dst], "ALIGNED": aligned, "BLOCK": triton_flat.BLOCK,
+                }, num_warps)
+    for state, state_t in ((0, tl.float32), (1, tl.bfloat16), (2, tl.uint8)):
+        for param in ("fp32", "bf16"):
+            for grad in ("fp32", "bf16"):
+                model = "bf16" if param == "fp32" else None
+                out[f"lowbit state={state} param={param} grad={grad}"] = ptx_counts(triton_lowbit._lowbit_kernel, {
+                    "GRAD_T": DTYPES[grad], "PARAM_T": DTYPES[param], "STATE": state, "STATE_T": state_t,
+                    "HAS_OUT": model is not None, "OUT_T": DTYPES[model or "fp16"], "BLOCK": triton_lowbit.BLOCK,
                 }, num_warps)
     print(json.dumps(out))
 

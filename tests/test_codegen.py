@@ -186,3 +186,12 @@ def test_triton_unaligned_variant_makes_no_alignment_claim(triton_ptx):
     """A launch with a misaligned pointer runs the variant without the hint: no vector access there."""
     counts = triton_ptx["cast src=fp32 dst=fp32 aligned=False"]
     assert counts["ld_v4"] == 0 and counts["st_v4"] == 0 and counts["ld"] > 0, counts
+
+
+def test_triton_lowbit_compiles_for_sm90_in_every_variant(triton_ptx):
+    """The low-bit kernel cannot run here; every variant (state fp32/bf16/int8, fp32 masters or bf16
+    params, grad dtypes) compiles for sm_90 and loads its operands from global memory."""
+    lowbit = {k: v for k, v in triton_ptx.items() if k.startswith("lowbit ")}
+    assert len(lowbit) == 12, sorted(lowbit)
+    for key, counts in lowbit.items():
+        assert counts["ld"] >= 4, (key, counts)  # param, grad, two moments (and the tables)

@@ -47,7 +47,7 @@ for fmt in ("int8", "bf16"):
         g = [torch.randn(n, generator=gen).bfloat16() for n in sizes]
         if fmt == "int8":
             q = [L.quantize(torch.randn(n, generator=gen) * 0.1, True) for n in sizes]
-            r = [L.quantize(torch.rand(n, generator=gen) * 0.01, False) for n in sizes]
+            r = [L.encode_moment(torch.rand(n, generator=gen) * 0.01, True) for n in sizes]
             m, ms, v, vs = [c for c, _ in q], [s for _, s in q], [c for c, _ in r], [s for _, s in r]
         else:
             m = [torch.randn(n, generator=gen).bfloat16() for n in sizes]

@@ -160,6 +160,24 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, signed: bool) -> torch
     return qmap(signed, codes.device)[codes.long()] * per
 
 
+# [Note: the second moment as its square root] An element whose gradient is 1e-4 of its block's
+# largest has exp_avg 1e-4 of the block's absmax, but exp_avg_sq 1e-8: below the unsigned map's
+# seven decades, so it decoded to 0 and the update m / (sqrt(0) + eps) blew up (a GPT on text
+# diverged from step 100 on). int8 exp_avg_sq therefore holds sqrt(exp_avg_sq), with the range of
+# exp_avg; the update needs the square root anyway. (bf16 and fp32 state hold exp_avg_sq itself.)
+
+def encode_moment(x: torch.Tensor, second: bool):
+    """(codes, scales) of Adam's exp_avg (second=False, signed map) or exp_avg_sq (its square root,
+    unsigned map)."""
+    return quantize(x.sqrt() if second else x, signed=not second)
+
+
+def decode_moment(codes: torch.Tensor, scales: torch.Tensor, second: bool) -> torch.Tensor:
+    """fp32 exp_avg or exp_avg_sq of int8 codes (encode_moment's inverse, up to its rounding)."""
+    y = dequantize(codes, scales, signed=not second)
+    return y * y if second else y
+
+
 # --- the random stream ----------------------------------------------------------
 
 def _mulhilo(a: int, b: torch.Tensor):

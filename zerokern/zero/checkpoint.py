@@ -34,7 +34,7 @@ from ..kernels import lowbit
 FORMAT = 3
 SLICED = ("exp_avg", "exp_avg_sq", "master_param")
 MOMENTS = ("exp_avg", "exp_avg_sq")
-SIGNED = {"exp_avg": True, "exp_avg_sq": False}  # the dynamic map of each moment's int8 codes
+SECOND = {"exp_avg": False, "exp_avg_sq": True}  # int8 exp_avg_sq holds its square root (lowbit.encode_moment)
 SCALE = "_scale"  # "exp_avg_scale": int8 codes' block scales, sliced by blocks ([Note: int8 shards in blocks])
 # torch.distributed.checkpoint reads the marks below from torch 2.14 on; before that it would
 # take each rank's slice for a whole tensor and keep one rank's.
@@ -141,7 +141,7 @@ def full_state_dict(opt):
             if step > 0:  # torch.optim.AdamW's format: fp32, whole (low-bit state decoded)
                 state[k] = {"step": torch.tensor(float(step))}
                 for key, (full, full_scales) in moments.items():
-                    state[k][key] = _decoded(full[sl], full_scales, slot.offset, SIGNED[key]).view(shape)
+                    state[k][key] = _decoded(full[sl], full_scales, slot.offset, SECOND[key]).view(shape)
             if w is not None and s.low_precision:
                 masters[k] = w[sl].view(shape).clone()
     if opt.comm.rank != 0:
@@ -152,12 +152,12 @@ def full_state_dict(opt):
     return out
 
 
-def _decoded(codes, scales, offset, signed):
+def _decoded(codes, scales, offset, second):
     """fp32 values of a param's state (a copy): int8 codes decoded with their blocks' scales
     (the param's blocks start at `offset`, a multiple of BLOCK), bf16 widened."""
     if codes.dtype == torch.uint8:
         first = offset // lowbit.BLOCK
-        return lowbit.dequantize(codes, scales[first:first + lowbit.num_blocks(codes.numel())], signed)
+        return lowbit.decode_moment(codes, scales[first:first + lowbit.num_blocks(codes.numel())], second)
     return codes.to(torch.float32, copy=True)
 
 
@@ -255,7 +255,7 @@ def _moment_copies(mine, theirs, key, shape, start, n, k, rank, mine_too):
     """(destination, source) pairs that load saved moment `key` of param k into this rank's state,
     converting between formats: int8 codes (with their block scales), bf16 or fp32, either way."""
     dst = mine[key]
-    signed = SIGNED[key]
+    second = SECOND[key]
     if key not in theirs:
         value = None
     elif theirs[key].dtype == torch.uint8:
@@ -268,12 +268,12 @@ def _moment_copies(mine, theirs, key, shape, start, n, k, rank, mine_too):
                            blocks(n), k, key + SCALE, rank, mine_too)
         if dst.dtype == torch.uint8:
             return [(dst, codes), (mine[key + SCALE], scales)]
-        value = lowbit.dequantize(codes, scales, signed)
+        value = lowbit.decode_moment(codes, scales, second)
     else:
         value = _my_slice(theirs[key], shape, start, n, k, key, rank, mine_too)
     if dst.dtype != torch.uint8:
         return [(dst, value)]
-    codes, scales = lowbit.quantize(torch.zeros(n) if value is None else value.float(), signed)
+    codes, scales = lowbit.encode_moment(torch.zeros(n) if value is None else value.float(), second)
     return [(dst, codes), (mine[key + SCALE], scales)]
 
 

@@ -2,9 +2,10 @@
 // zerokern/kernels/lowbit.py; tests compare every kernel against it).
 //
 // Per block of kBlock elements of one tensor (blocks counted from the tensor's first element):
-//   decode m, v        int8 codes: map[code] * scale; bf16: widened; fp32: as is
+//   decode m, v        int8 codes: map[code] * scale, squared for v (int8 v holds sqrt(v): [Note: the
+//                      second moment as its square root] in lowbit.py); bf16: widened; fp32: as is
 //   adam_element       adam.h's update, in fp32, on each element
-//   encode m, v        int8: scale = absmax of the new block, code = how many of the map's 255
+//   encode m, v        int8 (v: its square root): scale = absmax of the new block, code = how many of the map's 255
 //                      midpoints are below x * (1 / scale) (fp32; the code of 0 when scale is 0);
 //                      bf16: stochastic rounding
 //   write p            fp32 master (and the fp16/bf16 model copy, rounded to nearest), or a bf16

@@ -9,19 +9,19 @@ from .. import lowbit
 from .hyper import AdamHyper, coefficients
 
 
-def _read(state, scales, signed):
+def _read(state, scales, second):
     if state.dtype == torch.uint8:
-        return lowbit.dequantize(state, scales, signed).view(state.shape)
+        return lowbit.decode_moment(state, scales, second).view(state.shape)
     return state if state.dtype == torch.float32 else state.float()
 
 
-def _write(state, value, scales, signed, seed, step, stream, base):
+def _write(state, value, scales, second, seed, step, stream, base):
     """value (fp32) back into state: in place already (fp32), stochastically rounded (bf16), or
     requantized with new block scales (uint8)."""
     if state.dtype == torch.float32:
         return
     if state.dtype == torch.uint8:
-        codes, new_scales = lowbit.quantize(value, signed)
+        codes, new_scales = lowbit.encode_moment(value, second)
         state.copy_(codes.view(state.shape))
         scales.copy_(new_scales)
         return
@@ -45,7 +45,7 @@ def fused_adam_lowbit_(params, grads, exp_avgs, exp_avg_sqs, model_params, exp_a
             ms = exp_avg_scales[i] if exp_avg_scales is not None else None
             vs = exp_avg_sq_scales[i] if exp_avg_sq_scales is not None else None
             p32 = p if p.dtype == torch.float32 else p.float()
-            m, v = _read(exp_avgs[i], ms, True), _read(exp_avg_sqs[i], vs, False)
+            m, v = _read(exp_avgs[i], ms, False), _read(exp_avg_sqs[i], vs, True)
             g = g.float() * inv_scale
             if l2:
                 g = g + l2 * p32
@@ -54,8 +54,8 @@ def fused_adam_lowbit_(params, grads, exp_avgs, exp_avg_sqs, model_params, exp_a
             v.mul_(h.beta2).addcmul_(g, g, value=1 - h.beta2)
             denom = (v.sqrt() * inv_bc2_sqrt).add_(h.eps)
             p32.addcdiv_(m, denom, value=-step_size)
-            _write(exp_avgs[i], m, ms, True, seed, step, lowbit.STREAM_EXP_AVG, base)
-            _write(exp_avg_sqs[i], v, vs, False, seed, step, lowbit.STREAM_EXP_AVG_SQ, base)
+            _write(exp_avgs[i], m, ms, False, seed, step, lowbit.STREAM_EXP_AVG, base)
+            _write(exp_avg_sqs[i], v, vs, True, seed, step, lowbit.STREAM_EXP_AVG_SQ, base)
             if p.dtype != torch.float32:  # no master: the bf16 param itself, rounded stochastically
                 _write(p, p32, None, None, seed, step, lowbit.STREAM_PARAM, base)
             elif model_params:

@@ -113,6 +113,7 @@ def extensions():
             sources=[
                 "csrc/torch/ops_cpu.cpp",
                 "csrc/torch/adam_args.cpp",
+                "csrc/torch/lowbit_args.cpp",
                 "csrc/torch/adam_cache.cpp",
                 "csrc/torch/flat_ops.cpp",
                 "csrc/cpu/adam_cpu.cpp",
@@ -138,6 +139,7 @@ def extensions():
                 sources=[
                     "csrc/torch/ops_cuda.cpp",
                     "csrc/torch/adam_args.cpp",
+                    "csrc/torch/lowbit_args.cpp",
                     "csrc/torch/adam_cache.cpp",
                     "csrc/torch/flat_ops.cpp",
                     "csrc/cuda/cast_cuda.cu",
@@ -145,6 +147,7 @@ def extensions():
                     "csrc/cuda/adam_cuda_f32.cu",
                     "csrc/cuda/adam_cuda_f16.cu",
                     "csrc/cuda/adam_cuda_bf16.cu",
+                    "csrc/cuda/lowbit_cuda.cu",
                 ],
                 include_dirs=include + wheel_cuda_includes(),
                 extra_compile_args={

@@ -11,6 +11,7 @@ sequences, lr 2e-3 with 30 steps of warmup, weight decay 0.01, stage 2 (sharded 
 Runs:
   fp32 adamw           torch.optim.AdamW under DDP, fp32 params: the reference
   fp32 int8-state      FusedZeroAdam(state_precision="int8"), fp32 params
+  fp32 torchao AdamW8bit  torchao.optim.AdamW8bit under DDP, fp32 params (the peer; skipped if not installed)
   bf16 masters         FusedZeroAdam, bf16 params with fp32 masters and moments (bf16 compute's own cost)
   bf16 masters int8    ... and int8 moments
   bf16 sr              FusedZeroAdam(master_weights=False): bf16 params, stochastic rounding, fp32 moments
@@ -34,8 +35,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _harness as H  # noqa: E402
 
-RUNS = ["fp32 adamw", "fp32 int8-state", "bf16 masters", "bf16 masters int8", "bf16 sr", "bf16 sr int8",
-        "bf16 rn (control)"]
+RUNS = ["fp32 adamw", "fp32 int8-state", "fp32 torchao AdamW8bit", "bf16 masters", "bf16 masters int8", "bf16 sr",
+        "bf16 sr int8", "bf16 rn (control)"]
 CTX, BATCH, EVAL_EVERY = 64, 16, 25
 
 
@@ -88,15 +89,18 @@ def _loss(model, batch):
     return torch.nn.functional.cross_entropy(logits.float().reshape(-1, 256), batch[:, 1:].reshape(-1))
 
 
-def _build(name, world):
+def _build(name, world, seed):
     import zerokern
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = GPT()
     if name.startswith("bf16"):
         model = model.to(torch.bfloat16)
-    if name in ("fp32 adamw", "bf16 rn (control)"):
+    if name in ("fp32 adamw", "bf16 rn (control)", "fp32 torchao AdamW8bit"):
         ddp = torch.nn.parallel.DistributedDataParallel(model)
+        if name == "fp32 torchao AdamW8bit":
+            import torchao.optim
+            return ddp, torchao.optim.AdamW8bit(model.parameters(), lr=2e-3, weight_decay=0.01)
         return ddp, torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
     options = {"fp32 int8-state": dict(state_precision="int8"), "bf16 masters": {},
                "bf16 masters int8": dict(state_precision="int8"), "bf16 sr": dict(master_weights=False),
@@ -111,13 +115,18 @@ def _rank(rank, world, tmp, args, out_path):
     data = corpus()
     split = int(len(data) * 0.9)
     train, held = data[:split], data[split:]
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(1 + args.seed)
     starts = torch.randint(0, len(train) - CTX - 1, (args.steps, world * BATCH), generator=g)
     ev = torch.randint(0, len(held) - CTX - 1, (args.eval_batches, BATCH), generator=g)
     eval_batches = [torch.stack([held[s:s + CTX + 1] for s in row]) for row in ev]
     curves = {}
     for name in args.runs:
-        model, opt = _build(name, world)
+        if name == "fp32 torchao AdamW8bit":
+            try:
+                import torchao.optim  # noqa: F401
+            except ImportError:
+                continue
+        model, opt = _build(name, world, args.seed)
         curve = []
 
         def evaluate():
@@ -126,7 +135,11 @@ def _rank(rank, world, tmp, args, out_path):
 
         for step in range(args.steps):
             for group in opt.param_groups:
-                group["lr"] = 2e-3 * min(1.0, (step + 1) / 30)
+                lr = 2e-3 * min(1.0, (step + 1) / 30)
+                if isinstance(group["lr"], torch.Tensor):
+                    group["lr"].fill_(lr)  # torchao keeps lr as a tensor and refuses a number
+                else:
+                    group["lr"] = lr
             rows = starts[step][rank * BATCH:(rank + 1) * BATCH]
             batch = torch.stack([train[s:s + CTX + 1] for s in rows])
             opt.zero_grad()
@@ -149,6 +162,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--runs", default=",".join(RUNS))
+    ap.add_argument("--seed", type=int, default=0, help="the initial weights and the batches")
     ap.add_argument("--json")
     ap.add_argument("--plot")
     args = ap.parse_args(argv)
@@ -163,7 +177,8 @@ def main(argv=None):
     print(f"\nfinal eval loss after {args.steps} steps (fp32 AdamW {ref:.4f}):")
     for name, v in final.items():
         print(f"  {name:20s} {v:.4f}  {100 * (v - ref) / ref:+.2f}% vs fp32 AdamW")
-    result = {"machine": H.machine_info("cpu"), "steps": args.steps, "world": 2, "batch_per_rank": BATCH,
+    result = {"machine": H.machine_info("cpu"), "steps": args.steps, "seed": args.seed, "world": 2,
+              "batch_per_rank": BATCH,
               "context": CTX, "curves": curves, "final": final,
               "vs_fp32_adamw_pct": {n: 100 * (v - ref) / ref for n, v in final.items()}}
     if args.json:

@@ -259,11 +259,14 @@ def test_bad_input_names_the_tensor():
 # --- the compiled kernels against the reference -------------------------------
 
 def _native_backends():
+    """The compiled low-bit backends usable here, marked so bench/device_check.sh's GPU stage
+    (-m "cuda or triton") runs the GPU ones."""
     from zerokern.kernels.lowbit_ops import _NATIVE_LOWBIT
     from zerokern.kernels.backends.registry import available_backends
 
     usable = available_backends()
-    return [b for b in _NATIVE_LOWBIT if usable.get(b)]
+    marks = {"cuda": [pytest.mark.cuda], "triton": [pytest.mark.triton]}
+    return [pytest.param(b, marks=marks.get(b, [])) for b in _NATIVE_LOWBIT if usable.get(b)]
 
 
 def _state(fmt, n, gen):
@@ -302,7 +305,7 @@ def test_compiled_kernel_matches_the_reference(backend, fmt, param_dtype, grad_d
     bf16 step, or by that rounding where a moment cancels to nearly 0: rare (at most 1 in 1000)."""
     gen = torch.Generator().manual_seed(3)
     interpreted = backend == "triton" and not torch.cuda.is_available()  # TRITON_INTERPRET: slow, small sizes
-    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    device = "cuda" if backend in ("triton", "cuda") and torch.cuda.is_available() else "cpu"
     for n in SIZES[1:] + ([] if interpreted else [70001]):
         p = torch.randn(n, generator=gen).to(param_dtype)
         g = (torch.randn(n, generator=gen) * 4).to(grad_dtype)
@@ -330,7 +333,7 @@ def test_compiled_kernel_matches_the_reference(backend, fmt, param_dtype, grad_d
                 torch.testing.assert_close(b, a, rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("backend", [b for b in _native_backends() if b == "cpu"] or [pytest.param(
+@pytest.mark.parametrize("backend", [b for b in _native_backends() if b.values[0] == "cpu"] or [pytest.param(
     "cpu", marks=pytest.mark.skip(reason="no compiled CPU low-bit kernel in this build"))])
 def test_compiled_kernel_same_bits_at_any_thread_count(backend):
     gen = torch.Generator().manual_seed(4)

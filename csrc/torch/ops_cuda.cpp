@@ -9,8 +9,10 @@
 #include "adam_args.h"
 #include "adam_cache.h"
 #include "flat_ops.h"
+#include "lowbit_args.h"
 #include "zerokern/adam.h"
 #include "zerokern/cast.h"
+#include "zerokern/lowbit.h"
 
 namespace zerokern {
 namespace {
@@ -51,11 +53,30 @@ void launch_cast_cuda(const CastList& l, const at::Tensor& device_of) {
   TORCH_CHECK(err == 0, "zerokern cast_copy launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(err)));
 }
 
+// The low-bit update on CUDA tensors, on the current stream (the lists validated in Python).
+void fused_adam_lowbit_cuda_op(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                               at::TensorList exp_avg_sqs, at::TensorList model_params,
+                               at::TensorList exp_avg_scales, at::TensorList exp_avg_sq_scales,
+                               at::IntArrayRef index_bases, at::TensorList maps, int64_t seed, double lr,
+                               double beta1, double beta2, double eps, double weight_decay, double step,
+                               bool adam_w_mode, bool bias_correction, double grad_scale) {
+  LowBitArrays arrays;
+  LowBitCall call;
+  if (!build_lowbit(params, grads, exp_avgs, exp_avg_sqs, model_params, exp_avg_scales, exp_avg_sq_scales,
+                    index_bases, maps, seed, lr, beta1, beta2, eps, weight_decay, step, adam_w_mode, bias_correction,
+                    grad_scale, arrays, call))
+    return;
+  const c10::cuda::CUDAGuard guard(params[0].device());
+  const int err = fused_adam_lowbit_cuda(arrays.list, call, at::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == 0, "zerokern fused_adam_lowbit_ launch failed: ",
+              cudaGetErrorString(static_cast<cudaError_t>(err)));
+}
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(zerokern, CUDA, m) {
   m.impl("fused_adam_", &fused_adam_cuda_op);
+  m.impl("fused_adam_lowbit_", &fused_adam_lowbit_cuda_op);
   using Flat = FlatOps<launch_cast_cuda>;
   m.impl("flatten", &Flat::flatten);
   m.impl("flatten_into_", &Flat::flatten_into);

@@ -29,7 +29,7 @@ from ._checks import check_lowbit_args
 from .backends.registry import BACKENDS, PREFERENCE, resolve
 from .ops import _f32_scalar
 
-_NATIVE_LOWBIT = ("cpu", "triton")  # backends with a low-bit kernel of their own; "auto" uses the reference elsewhere
+_NATIVE_LOWBIT = ("cuda", "cpu", "triton")  # backends with a low-bit kernel of their own; "auto" uses the reference elsewhere
 
 
 def fused_adam_lowbit_(

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from ..kernels import lowbit
+from .store import ShardStore
 from .unit import FlatParams
 
 PRECISIONS = ("fp32", "bf16", "int8")
@@ -58,8 +59,11 @@ class StatePolicy:
         return _DTYPE[self.precision]
 
 
-class LowBitStore:
-    def __init__(self, flat: FlatParams, b: int, policy: StatePolicy):
+class LowBitStore(ShardStore):
+    """ShardStore's protocol and master bookkeeping (refresh_master, refresh_params, the round-trip
+    check), over state of another precision; no offload."""
+
+    def __init__(self, flat: FlatParams, b: int, policy: StatePolicy):  # noqa: D107 (ShardStore's allocation differs)
         self.flat, self.b, self.policy = flat, b, policy
         self.bucket = flat.buckets[b]
         shard = self._param_shard = flat.param_shard(b)
@@ -82,44 +86,9 @@ class LowBitStore:
         self.master_valid = not self.separate_master
         self._filled_version = None
 
-    exp_avg = property(lambda self: self.state["exp_avg"])
-    exp_avg_sq = property(lambda self: self.state["exp_avg_sq"])
-
-    def param_shard(self) -> torch.Tensor:
-        return self._param_shard
-
     def scales(self):
         """{state key: fp32 block scales} of int8 state, else None."""
         return self._scales
-
-    def refresh_master(self) -> None:
-        if self.separate_master:
-            self.master.copy_(self._param_shard)
-        self.master_valid = True
-
-    def fill_unread_master(self) -> None:
-        if self.separate_master and not self.master_valid:
-            self.master.copy_(self._param_shard)
-            self._filled_version = self.master._version
-
-    def is_round_trip(self, views, given) -> bool:
-        return (self._filled_version is not None and self._filled_version == self.master._version
-                and all(torch.equal(v, g.to(v.device)) for v, g in zip(views, given)))
-
-    def refresh_params(self, indices) -> None:
-        """Params given new values: a separate master re-reads them (as ShardStore does, element
-        by element where the master rounds to the param)."""
-        if not self.separate_master:
-            return
-        f = self.flat
-        for pc in f.layout.rank_pieces(f.rank, self.b):
-            if pc.index in indices:
-                sl = slice(pc.shard_offset, pc.shard_offset + pc.numel)
-                shard, master = self._param_shard[sl], self.master[sl]
-                if not self.master_valid:
-                    master.copy_(shard)
-                    continue
-                master.copy_(torch.where(master.to(shard.dtype) == shard, master, shard.to(master.dtype)))
 
     def operands(self):
         """(params, grad, exp_avg, exp_avg_sq, model): params the fp32 master, or without one the

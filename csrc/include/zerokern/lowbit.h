@@ -115,4 +115,9 @@ ZK_HOST_DEVICE uint32_t quantize_code(float x, uint32_t xbits, const QuantTables
 // CPU: SIMD variant chosen at run time, OpenMP over the blocks of every tensor.
 void fused_adam_lowbit_cpu(const LowBitTensorList& tensors, const LowBitCall& call, int num_threads);
 
+#if defined(ZEROKERN_WITH_CUDA)
+// CUDA: one launch per tensor on `stream` (a cudaStream_t); the first launch error, or 0.
+int fused_adam_lowbit_cuda(const LowBitTensorList& tensors, const LowBitCall& call, void* stream);
+#endif
+
 }  // namespace zerokern

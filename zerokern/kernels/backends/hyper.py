@@ -65,3 +65,14 @@ def coefficients(h: AdamHyper):
     bc2 = 1.0 - torch.pow(h.beta2, step) if h.bias_correction else one
     decay = 1.0 - lr * h.weight_decay if h.adam_w_mode else one
     return torch.stack([lr / bc1, bc2.rsqrt(), decay, 1.0 / scale]).to(torch.float32)
+
+
+def host_constants(h: AdamHyper):
+    """For kernels that take plain numbers (the low-bit ones): None when found_inf says to skip the
+    step (a host read), else (step_size, inv_bc2_sqrt, decay, inv_grad_scale, step as an int, l2)."""
+    if h.found_inf is not None and h.found_inf.item() != 0:
+        return None
+    coef = coefficients(h)
+    step_size, inv_bc2_sqrt, decay, inv_scale = coef.tolist() if isinstance(coef, torch.Tensor) else coef
+    step = int(h.step.item() if isinstance(h.step, torch.Tensor) else h.step)
+    return step_size, inv_bc2_sqrt, decay, inv_scale, step, 0.0 if h.adam_w_mode else h.weight_decay

@@ -6,7 +6,7 @@ the moments and params; what differs is only how state and params are read and w
 import torch
 
 from .. import lowbit
-from .hyper import AdamHyper, coefficients
+from .hyper import AdamHyper, host_constants
 
 
 def _read(state, scales, second):
@@ -31,12 +31,10 @@ def _write(state, value, scales, second, seed, step, stream, base):
 
 def fused_adam_lowbit_(params, grads, exp_avgs, exp_avg_sqs, model_params, exp_avg_scales, exp_avg_sq_scales,
                        index_bases, seed, h: AdamHyper):
-    if not params or (h.found_inf is not None and h.found_inf.item() != 0):
+    constants = host_constants(h) if params else None
+    if constants is None:
         return
-    coef = coefficients(h)
-    step_size, inv_bc2_sqrt, decay, inv_scale = coef.tolist() if isinstance(coef, torch.Tensor) else coef
-    step = int(h.step.item() if isinstance(h.step, torch.Tensor) else h.step)
-    l2 = 0.0 if h.adam_w_mode else h.weight_decay
+    step_size, inv_bc2_sqrt, decay, inv_scale, step, l2 = constants
     with torch.no_grad():
         for i, (p, g) in enumerate(zip(params, grads)):
             if p.numel() == 0:

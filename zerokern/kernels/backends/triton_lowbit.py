@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from .. import lowbit
-from .hyper import AdamHyper, coefficients
+from .hyper import AdamHyper, host_constants
 from . import triton_common
 from .triton_common import TL_DTYPE, tensor_pointer, tile_batch, to_bf16_rne
 
@@ -127,12 +127,10 @@ def fused_adam_lowbit_(params, grads, exp_avgs, exp_avg_sqs, model_params, exp_a
                        index_bases, seed, h: AdamHyper):
     """lowbit_ops validated the lists. found_inf and tensor hyper-parameters are read on the host
     (a sync); the CUDA-graph-friendly device path of fused_adam_ is future work here."""
-    if not params or (h.found_inf is not None and h.found_inf.item() != 0):
+    constants = host_constants(h) if params else None
+    if constants is None:
         return
-    coef = coefficients(h)
-    step_size, inv_bc2_sqrt, decay, inv_scale = coef.tolist() if isinstance(coef, torch.Tensor) else coef
-    step = int(h.step.item() if isinstance(h.step, torch.Tensor) else h.step)
-    l2 = 0.0 if h.adam_w_mode else h.weight_decay
+    step_size, inv_bc2_sqrt, decay, inv_scale, step, l2 = constants
     device = params[0].device
     maps = lowbit.maps(device)
     keep = [i for i, p in enumerate(params) if p.numel()]

@@ -10,7 +10,7 @@ from ..kernels.lowbit_ops import fused_adam_lowbit_, lowbit_backend
 
 def check_lowbit_options(policy, engine, names, backend):
     """What state_precision / master_weights cannot do, refused at construction, naming the param."""
-    if engine.stores and engine.stores[0].flat.buckets and any(u.config.offload is not None for u in engine.units):
+    if any(u.config.offload is not None for u in engine.units):
         raise ValueError("zerokern: offload with state_precision='bf16'/'int8' or master_weights=False is not "
                          "offered yet; use offload=None (the low-bit state is the smaller saving on the device)")
     if engine.trainable:

@@ -32,6 +32,7 @@ struct QuantTables {
   const float* map;      // 256 values, ascending
   const float* mid;      // the 255 midpoints, then +inf
   const int32_t* cells;  // 65536: how many midpoints lie below each cell ([Note: quantizing by cells])
+  const int64_t* packed;  // per cell: that count (low 32 bits) and the fp32 bits of mid[count] (high 32)
 };
 struct QuantMaps {
   QuantTables sgn, uns;  // exp_avg's (signed) and exp_avg_sq's (unsigned)

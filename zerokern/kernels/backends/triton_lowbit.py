@@ -148,7 +148,7 @@ def fused_adam_lowbit_(params, grads, exp_avgs, exp_avg_sqs, model_params, exp_a
                              device=device)
         with triton_common.device_guard(device):
             _lowbit_kernel[(batch.tiles,)](
-                batch.table, batch.tile_tensor, batch.first_tile, batch.numel, bases, batch.count, *maps,
+                batch.table, batch.tile_tensor, batch.first_tile, batch.numel, bases, batch.count, *maps[:6],
                 step_size, inv_bc2_sqrt, decay, inv_scale, h.beta1, h.beta2, 1.0 - h.beta1, 1.0 - h.beta2, h.eps, l2,
                 seed - 2**64 if seed >= 2**63 else seed, step,
                 GRAD_T=TL_DTYPE[gdt], PARAM_T=TL_DTYPE[params[0].dtype], STATE=_STATE[exp_avgs[0].dtype],

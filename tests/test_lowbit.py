@@ -296,13 +296,15 @@ def _run_backend(backend, p, g, state, scales, model, steps=2):
     reason="no compiled low-bit kernel in this build"))])
 @pytest.mark.parametrize("fmt", ["int8", "bf16", "fp32"])
 @pytest.mark.parametrize("param_dtype,grad_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
-                                                    (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float16)])
+                                                    (torch.float32, torch.float16), (torch.bfloat16, torch.bfloat16),
+                                                    (torch.bfloat16, torch.float16)])
 def test_compiled_kernel_matches_the_reference(backend, fmt, param_dtype, grad_dtype):
     """The compiled update is adam.h's, whose fp32 roundings differ from the reference's torch ops
     (torch fuses m * beta1 + (1 - beta1) * g into one rounding) by about 1e-7 of the operands;
     decoding, the cells and stochastic rounding are exact. So a code may differ by one where a
     moment lies within that rounding of a midpoint, and a stochastically rounded bf16 value by one
-    bf16 step, or by that rounding where a moment cancels to nearly 0: rare (at most 1 in 1000)."""
+    bf16 step, or by that rounding where a moment cancels to nearly 0: rare (at most 1 in 1000); and
+    such a moment moves the next step's param by at most lr times that step."""
     gen = torch.Generator().manual_seed(3)
     interpreted = backend == "triton" and not torch.cuda.is_available()  # TRITON_INTERPRET: slow, small sizes
     device = "cuda" if backend in ("triton", "cuda") and torch.cuda.is_available() else "cpu"
@@ -310,7 +312,9 @@ def test_compiled_kernel_matches_the_reference(backend, fmt, param_dtype, grad_d
         p = torch.randn(n, generator=gen).to(param_dtype)
         g = (torch.randn(n, generator=gen) * 4).to(grad_dtype)
         state, scales = _state(fmt, n, gen)
-        model = torch.empty(n, dtype=torch.bfloat16) if param_dtype == torch.float32 else None
+        # fp32 masters write a 16-bit model copy: fp16 with fp16 grads (fp16 training), else bf16
+        model_dtype = torch.float16 if grad_dtype == torch.float16 else torch.bfloat16
+        model = torch.empty(n, dtype=model_dtype) if param_dtype == torch.float32 else None
         ref = _run_backend("torch", p, g, state, scales, model)
         on = [None if t is None else t.to(device) for t in (p, g, model)]
         out = _run_backend(backend, on[0], on[1], [t.to(device) for t in state],
@@ -321,10 +325,13 @@ def test_compiled_kernel_matches_the_reference(backend, fmt, param_dtype, grad_d
             if a is None:
                 continue
             if a.dtype == torch.float32:
-                torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+                # the fp32 rounding, except where a rare neighbouring code or bf16 step of a moment
+                # at step 1 moved step 2's update: by at most lr (1e-2) times that step (2**-7)
+                off = (a - b).abs() > 1e-7 + 1e-6 * a.abs()
+                assert off.float().mean() <= 1e-3 and (a - b).abs().max() <= 1e-2 * 2**-7, n
             elif a.dtype == torch.uint8:  # codes: the same, or the neighbouring code, rarely
                 assert (a.int() - b.int()).abs().max() <= 1 and (a != b).float().mean() <= 1e-3, n
-            else:  # bf16: the same, or one bf16 step (2**-7 relative) or the fp32 rounding apart, rarely
+            else:  # bf16 or fp16: the same, or one bf16 step (2**-7 relative) or the fp32 rounding apart, rarely
                 fa, fb = a.float(), b.float()
                 bound = fa.abs() * 2**-7 + 1e-6 * fa.abs().max()
                 assert torch.all((fa - fb).abs() <= bound) and (a != b).float().mean() <= 1e-3, n

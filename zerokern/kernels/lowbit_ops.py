@@ -71,13 +71,17 @@ def fused_adam_lowbit_(
 def lowbit_backend(backend: str, device: torch.device):
     """The module whose fused_adam_lowbit_ runs for `backend` on `device`: "auto" takes the first
     usable backend with a low-bit kernel in the device's preference order, else the reference."""
+    from .backends import torch_lowbit  # the reference's low-bit op lives beside torch_ref, not in it
+
     if backend == "auto":
         for name in PREFERENCE.get(device.type, ()):
             if name in _NATIVE_LOWBIT and BACKENDS[name].why_not() is None:
                 return resolve(name, device)
-        return resolve("torch", device)
+        return torch_lowbit
     module = resolve(backend, device)  # an unknown or unusable backend says so first
-    if backend != "torch" and backend not in _NATIVE_LOWBIT:
+    if backend == "torch":
+        return torch_lowbit
+    if backend not in _NATIVE_LOWBIT:
         raise NotImplementedError(f"backend {backend!r} has no low-bit Adam kernel yet; use backend='torch' "
                                   "or 'auto'")
     return module

@@ -6,6 +6,7 @@ the moments and params; what differs is only how state and params are read and w
 import torch
 
 from .. import lowbit
+from . import torch_ref
 from .hyper import AdamHyper, host_constants
 
 
@@ -44,14 +45,7 @@ def fused_adam_lowbit_(params, grads, exp_avgs, exp_avg_sqs, model_params, exp_a
             vs = exp_avg_sq_scales[i] if exp_avg_sq_scales is not None else None
             p32 = p if p.dtype == torch.float32 else p.float()
             m, v = _read(exp_avgs[i], ms, False), _read(exp_avg_sqs[i], vs, True)
-            g = g.float() * inv_scale
-            if l2:
-                g = g + l2 * p32
-            p32.mul_(decay)
-            m.mul_(h.beta1).add_(g, alpha=1 - h.beta1)
-            v.mul_(h.beta2).addcmul_(g, g, value=1 - h.beta2)
-            denom = (v.sqrt() * inv_bc2_sqrt).add_(h.eps)
-            p32.addcdiv_(m, denom, value=-step_size)
+            torch_ref.adam_update_(p32, g, m, v, step_size, inv_bc2_sqrt, decay, inv_scale, l2, h)
             _write(exp_avgs[i], m, ms, False, seed, step, lowbit.STREAM_EXP_AVG, base)
             _write(exp_avg_sqs[i], v, vs, True, seed, step, lowbit.STREAM_EXP_AVG_SQ, base)
             if p.dtype != torch.float32:  # no master: the bf16 param itself, rounded stochastically

@@ -9,7 +9,6 @@ import torch
 
 from .._checks import check_adam_args, check_flatten_args, check_unflatten_args
 from .hyper import AdamHyper, coefficients
-from .torch_lowbit import fused_adam_lowbit_  # noqa: F401 (the reference's low-bit op, torch_lowbit.py)
 
 
 def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, model_params, h: AdamHyper):
@@ -21,16 +20,21 @@ def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, model_params, h: AdamHyper
     l2 = 0.0 if h.adam_w_mode else h.weight_decay
     with torch.no_grad():
         for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
-            g = g.float() * inv_scale
-            if l2:
-                g = g + l2 * p
-            p.mul_(decay)
-            m.mul_(h.beta1).add_(g, alpha=1 - h.beta1)
-            v.mul_(h.beta2).addcmul_(g, g, value=1 - h.beta2)
-            denom = (v.sqrt() * inv_bc2_sqrt).add_(h.eps)
-            p.addcdiv_(m, denom, value=-step_size)
+            adam_update_(p, g, m, v, step_size, inv_bc2_sqrt, decay, inv_scale, l2, h)
             if model_params:
                 model_params[i].copy_(p)
+
+
+def adam_update_(p, g, m, v, step_size, inv_bc2_sqrt, decay, inv_scale, l2, h: AdamHyper):
+    """The reference's update of fp32 p, m, v in place (the low-bit reference runs it too)."""
+    g = g.float() * inv_scale
+    if l2:
+        g = g + l2 * p
+    p.mul_(decay)
+    m.mul_(h.beta1).add_(g, alpha=1 - h.beta1)
+    v.mul_(h.beta2).addcmul_(g, g, value=1 - h.beta2)
+    denom = (v.sqrt() * inv_bc2_sqrt).add_(h.eps)
+    p.addcdiv_(m, denom, value=-step_size)
 
 
 def flatten(tensors, dtype, offsets, numel):

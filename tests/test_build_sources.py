@@ -1,0 +1,21 @@
+"""Both builds compile every source file: setup.py (what pip installs) and CMakeLists.txt (the C++
+tests, IDEs, and CI's CMake-built operator libraries). A file added to one list and not the other
+built with pip and failed to load from CMake (undefined symbol zerokern::build_lowbit), and only
+CI's CMake step saw it; this check costs nothing and fails at once."""
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _sources_named_in(path):
+    return set(re.findall(r"csrc/[\w/]+\.(?:cpp|cu)\b", (ROOT / path).read_text()))
+
+
+def test_every_source_file_is_in_both_builds():
+    on_disk = {p.relative_to(ROOT).as_posix() for p in (ROOT / "csrc").rglob("*") if p.suffix in (".cpp", ".cu")}
+    assert on_disk, "no csrc sources found"
+    for build in ("setup.py", "CMakeLists.txt"):
+        named = _sources_named_in(build)
+        assert on_disk - named == set(), f"{build} does not compile {sorted(on_disk - named)}"
+        assert named - on_disk == set(), f"{build} names missing files {sorted(named - on_disk)}"

@@ -15,6 +15,9 @@ Bytes: what an ideal single pass reads and writes per param (block scales: +0.03
 bytes at the bandwidth zerokern's stream roof reaches on this machine for the fp32 path's seven
 streams (the same traffic with no arithmetic), so % of roof says how close each row is to memory.
 Every zerokern row is checked against the plain-torch reference on a sample before it is timed.
+Arithmetic ms: the same row on 2M cache-resident params (8 tensors of 256K, timed many times),
+scaled to the full count: what the step costs with memory taken away. Where it exceeds the roof,
+the row is compute-bound on this machine and no kernel with the same arithmetic reaches the roof.
 """
 
 import argparse
@@ -99,6 +102,16 @@ def validate(sizes):
     return worst
 
 
+def arithmetic_ms(total, rounds, n=1 << 18, count=8, repeat=50):
+    """Each zerokern row's step on count * n cache-resident params, repeat calls per sample, scaled
+    to `total` params: {name: median ms}."""
+    rows, _ = zerokern_rows([n] * count, torch.Generator().manual_seed(2))
+    batched = {name: (lambda f=f: [f() for _ in range(repeat)]) for name, f in rows.items()}
+    times = H.interleaved(batched, "cpu", rounds, warmup=1)
+    scale = total / (n * count * repeat)
+    return {name: statistics.median(t) * 1e3 * scale for name, t in times.items()}
+
+
 def peer_rows(sizes, grads):
     """Peers over bf16 (torchao's 8-bit over fp32) params, where importable: {name: step} and notes."""
     rows, notes = {}, []
@@ -151,22 +164,26 @@ def main(argv=None):
     rows["roof (fp32 streams)"] = lambda: torch.ops.zerokern.stream_roof_(rp, grads, rm, rv, ro)
     load = H.OtherLoad()
     times = H.interleaved(rows, "cpu", args.rounds, warmup=1)
+    arith = arithmetic_ms(total, args.rounds)
     others, steal = load.cpus()
     roof_s = statistics.median(times["roof (fp32 streams)"])
     bandwidth = 28 * total / roof_s
     results = []
     print(f"{total / 1e6:.1f}M params in {len(sizes)} tensors, {torch.get_num_threads()} threads; roof bandwidth "
           f"{bandwidth / 1e9:.1f} GB/s; kernels within {err:.2g} of an update of the reference")
-    print(f"{'row':40s} {'median ms':>10s} {'p25-p75':>17s} {'B/param':>8s} {'roof ms':>8s} {'% roof':>7s}")
+    print(f"{'row':40s} {'median ms':>10s} {'p25-p75':>17s} {'B/param':>8s} {'roof ms':>8s} {'% roof':>7s} "
+          f"{'arith ms':>9s}")
     for name, t in times.items():
         s = H.summary(t)
         nbytes = BYTES.get(name)
         roof_ms = nbytes * total / bandwidth * 1e3 if nbytes else None
         pct = 100 * roof_ms / s["median_ms"] if roof_ms else None
-        results.append(dict(s, impl=name, bytes_per_param=nbytes, roof_ms=roof_ms, pct_of_roof=pct))
+        a = arith.get(name)
+        results.append(dict(s, impl=name, bytes_per_param=nbytes, roof_ms=roof_ms, pct_of_roof=pct,
+                            arithmetic_ms=a))
         print(f"{name:40s} {s['median_ms']:10.1f} {s['p25_ms']:8.1f}-{s['p75_ms']:<8.1f} "
               f"{'' if nbytes is None else f'{nbytes:.2f}':>8s} {'' if roof_ms is None else f'{roof_ms:.1f}':>8s} "
-              f"{'' if pct is None else f'{pct:.0f}%':>7s}")
+              f"{'' if pct is None else f'{pct:.0f}%':>7s} {'' if a is None else f'{a:.1f}':>9s}")
     for n in notes:
         print("not run:", n)
     print(f"other processes used {others if others is not None else float('nan'):.2f} CPUs meanwhile")

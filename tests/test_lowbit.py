@@ -370,3 +370,46 @@ def test_cells_give_the_codes_of_the_search():
         x = x if signed else x.abs()
         want = torch.bucketize(x, mid, right=False).to(torch.uint8)
         assert torch.equal(L.quantize_by_cells(x, torch.ones_like(x), signed), want)
+
+
+def test_keys_give_the_codes_of_the_search():
+    """[Note: quantizing by keys]: the AVX-512/AVX2 kernels' small table picks the search's code for
+    every float near a midpoint, over seven decades, and far below the table's lowest exponent."""
+    for signed in (True, False):
+        mid = L.midpoints(signed)
+        x = torch.cat([mid, torch.nextafter(mid, torch.tensor(2.0)), torch.nextafter(mid, torch.tensor(-2.0)),
+                       (torch.randn(200_000) * torch.logspace(-12, 0, 200_000)).clamp(-1.99, 1.99),
+                       torch.tensor([0.0, -0.0, 1.0, -1.0, 1.0000001, 1.99, -1.99, 1e-30, -1e-30, 1e-40, -1e-40])])
+        x = x if signed else x.abs()  # the keyed table's domain: |x| < 2 (x * (1 / absmax) of a finite block)
+        want = torch.bucketize(x, mid, right=False).to(torch.uint8)
+        assert torch.equal(L.quantize_by_keys(x, signed), want)
+
+
+@pytest.mark.skipif("cpu" not in [b.values[0] for b in _native_backends()],
+                    reason="no compiled CPU low-bit kernel in this build")
+def test_inf_and_nan_blocks_take_the_cells_path():
+    """An inf gradient (no found_inf) makes its blocks' scales inf and their normalized moments NaN,
+    whose exponent is above the keyed table's: those lanes take the cells path. Codes match the
+    reference except at NaN moments, which decode to NaN either way (the block's scale is NaN)."""
+    n = 1024
+    gen = torch.Generator().manual_seed(5)
+    g = torch.randn(n, generator=gen)
+    g[20], g[300], g[600] = math.inf, math.nan, -math.inf
+    p, m, v = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-3, torch.rand(n, generator=gen) * 1e-6
+    outs = []
+    for backend in ("torch", "cpu"):
+        (mc, ms), (vc, vs) = L.quantize(m, True), L.encode_moment(v, True)
+        fused_adam_lowbit_([p.clone()], [g], [mc], [vc], exp_avg_scales=[ms], exp_avg_sq_scales=[vs], index_bases=[0],
+                           step=2, backend=backend, **HYPER)
+        outs.append((mc, vc, ms, vs))
+    (m0, v0, ms0, vs0), (m1, v1, ms1, vs1) = outs
+    for s0, s1 in ((ms0, ms1), (vs0, vs1)):  # inf and NaN scales in the same blocks, the rest equal
+        assert torch.equal(s0.isnan(), s1.isnan()) and torch.equal(s0[~s0.isnan()], s1[~s1.isnan()])
+    for a, b, s0 in ((m0, m1, ms0), (v0, v1, vs0)):
+        diff = (a != b).nonzero().flatten()
+        assert diff.tolist() == [300], diff.tolist()  # the NaN gradient's element
+        assert s0[300 // 256].isnan()
+    for which, (a, b) in enumerate(((m0, m1), (v0, v1))):
+        d0 = L.decode_moment(a, outs[0][2 + which], bool(which))
+        d1 = L.decode_moment(b, outs[1][2 + which], bool(which))
+        assert torch.equal(d0.isnan(), d1.isnan()) and torch.equal(d0[~d0.isnan()], d1[~d1.isnan()])

@@ -24,6 +24,9 @@ bool build_lowbit(at::TensorList params, at::TensorList grads, at::TensorList ex
   TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && index_bases.size() == n,
               "fused_adam_lowbit_: the lists must have one entry per param");
   TORCH_CHECK(maps.size() == 8, "fused_adam_lowbit_: maps must be zerokern.kernels.lowbit.maps()");
+  // the keyed tables' layout (kKeyExpLo, kKeyEntries) is lowbit.py's KEY_EXP_LO / KEY_ENTRIES
+  TORCH_CHECK(maps[6].numel() == kKeyEntries && maps[7].numel() == kKeyEntries,
+              "fused_adam_lowbit_: maps[6:8] must be lowbit.py's keyed tables of ", kKeyEntries, " rows");
   if (n == 0) return false;
   LowBitTensorList& t = a.list;
   const auto sdt = exp_avgs[0].scalar_type();
@@ -78,9 +81,9 @@ bool build_lowbit(at::TensorList params, at::TensorList grads, at::TensorList ex
   call.seed = static_cast<uint64_t>(seed);
   call.step = static_cast<uint32_t>(static_cast<int64_t>(step));
   call.maps.sgn = {maps[0].data_ptr<float>(), maps[1].data_ptr<float>(), maps[2].data_ptr<int32_t>(),
-                   maps[6].data_ptr<int64_t>()};
+                   maps[6].data_ptr<int32_t>()};
   call.maps.uns = {maps[3].data_ptr<float>(), maps[4].data_ptr<float>(), maps[5].data_ptr<int32_t>(),
-                   maps[7].data_ptr<int64_t>()};
+                   maps[7].data_ptr<int32_t>()};
   return true;
 }
 

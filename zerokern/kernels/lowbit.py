@@ -103,12 +103,49 @@ def _cells(signed: bool):
     return cells.to(torch.int32), padded
 
 
-def _packed(signed: bool) -> torch.Tensor:
-    """int64 per cell: its count of midpoints below (low 32 bits) and the fp32 bits of the midpoint
-    it is compared with (high 32): one 64-bit gather instead of two dependent 32-bit ones."""
+# (lowbit.h's kKeyExpLo and kKeyEntries: the kernels compute the same rows)
+KEY_EXP_LO = 96  # the keyed table's lowest exponent (2^-31): every midpoint lies above 2^-26
+KEY_ENTRIES = 1 << 13  # sign, 32 exponents (96 .. 127), the top 7 mantissa bits
+
+
+def key_index(xbits: torch.Tensor) -> torch.Tensor:
+    """The keyed table's row of each fp32 bit pattern (int64, as unsigned 32-bit) whose exponent is
+    at most 127 (|x| < 2): sign, exponent clamped below at KEY_EXP_LO, top 7 mantissa bits."""
+    e = ((xbits >> 23) & 0xFF).clamp(min=KEY_EXP_LO) - KEY_EXP_LO
+    return ((xbits >> 31) << 12) | (e << 7) | ((xbits >> CELL_SHIFT) & 0x7F)
+
+
+def _key(xbits: torch.Tensor) -> torch.Tensor:
+    """The low 16 bits of a float, flipped for negative floats: within one cell, key order is float
+    order (negative floats run down in magnitude)."""
+    return (xbits & 0xFFFF) ^ torch.where(xbits >> 31 == 1, 0xFFFF, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _keyed(signed: bool) -> torch.Tensor:
+    """[Note: quantizing by keys] The AVX-512 and AVX2 kernels' cell table, small enough for L1
+    (32 KiB, int32; the cells table is 256 KiB): cells at or below 2^-31 all hold the same count
+    (no midpoint is that small), so only 32 exponents need rows; and instead of the midpoint's
+    float each row holds its key (its low 16 bits, ordered), which decides the compare within the
+    cell. Row r = count | threshold << 8: code = count + (key(x) > threshold), where threshold
+    is the key of the cell's midpoint, or 0xFFFF (never exceeded) when no midpoint lies in the
+    cell. Elements with exponent above 127 (|x| >= 2: only an inf or NaN block reaches it) use
+    the cells table. One gather per element instead of two."""
     cells, mid = _cells(signed)
-    bits = mid.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    return cells.to(torch.int64) | (bits[cells.long()] << 32)
+    assert float(mid[:255].abs().min()) > 2.0 ** (KEY_EXP_LO - 127 + 5), "a midpoint below the keyed table"
+    row = torch.arange(KEY_ENTRIES, dtype=torch.int64)
+    top = ((row >> 12) << 15) | ((((row >> 7) & 31) + KEY_EXP_LO) << 7) | (row & 0x7F)  # the cell's top 16 bits
+    count = cells.long()[top]
+    mbits = mid.view(torch.int32).to(torch.int64)[count] & 0xFFFFFFFF
+    threshold = torch.where((mbits >> CELL_SHIFT) == top, _key(mbits), 0xFFFF)
+    return (count | (threshold << 8)).to(torch.int32)
+
+
+def quantize_by_keys(x: torch.Tensor, signed: bool) -> torch.Tensor:
+    """The keyed table's codes of x (flat fp32, |x| < 2): for the tests."""
+    xbits = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    entry = _keyed(signed).long()[key_index(xbits)]
+    return ((entry & 0xFF) + (_key(xbits) > (entry >> 8)).long()).to(torch.uint8)
 
 
 @functools.lru_cache(maxsize=None)
@@ -117,13 +154,13 @@ def _maps(device: str):
     for signed in (True, False):
         cells, mid = _cells(signed)
         out += [qmap(signed, device), mid.to(device), cells.to(device)]
-    return out + [_packed(True).to(device), _packed(False).to(device)]
+    return out + [_keyed(True).to(device), _keyed(False).to(device)]
 
 
 def maps(device) -> list:
     """[signed map, its midpoints (padded), its cells, the same three unsigned, the signed and the
-    unsigned cells packed with their midpoints] on `device`: the tables compiled kernels read
-    ([Note: quantizing by cells])."""
+    unsigned keyed tables] on `device`: the tables compiled kernels read ([Note: quantizing by
+    cells], [Note: quantizing by keys])."""
     return _maps(str(torch.device(device)))
 
 

@@ -87,15 +87,22 @@ ZK_HOST_DEVICE AdamCoeffs resolve_coeffs(const AdamHyper& h, double lr_in, doubl
   return c;
 }
 
-// One element's update. p, m, v are read and written in fp32.
-ZK_HOST_DEVICE void adam_element(float& p, float& m, float& v, float g, const AdamCoeffs& c) {
+// One element's update. p, m, v are read and written in fp32; returns sqrt(v), which the
+// low-bit kernels store (int8 exp_avg_sq holds its square root), so they need no second one.
+ZK_HOST_DEVICE float adam_element_root(float& p, float& m, float& v, float g, const AdamCoeffs& c) {
   g = g * c.inv_grad_scale;
   g = g + c.weight_decay * p;
   p = p * c.decay;
   m = c.beta1 * m + c.one_minus_beta1 * g;
   v = c.beta2 * v + c.one_minus_beta2 * g * g;
-  const float denom = sqrtf(v) * c.inv_bc2_sqrt + c.eps;
+  const float root = sqrtf(v);
+  const float denom = root * c.inv_bc2_sqrt + c.eps;
   p = p - c.step_size * (m / denom);
+  return root;
+}
+
+ZK_HOST_DEVICE void adam_element(float& p, float& m, float& v, float g, const AdamCoeffs& c) {
+  (void)adam_element_root(p, m, v, g, c);
 }
 
 // A list of tensors updated by one call. Pointers are to the first element of

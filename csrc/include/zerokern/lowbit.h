@@ -32,12 +32,13 @@ struct QuantTables {
   const float* map;      // 256 values, ascending
   const float* mid;      // the 255 midpoints, then +inf
   const int32_t* cells;  // 65536: how many midpoints lie below each cell ([Note: quantizing by cells])
-  const int64_t* packed;  // per cell: that count (low 32 bits) and the fp32 bits of mid[count] (high 32)
+  const int32_t* keyed;  // kKeyEntries rows: count | threshold << 8 ([Note: quantizing by keys])
 };
 struct QuantMaps {
   QuantTables sgn, uns;  // exp_avg's (signed) and exp_avg_sq's (unsigned)
 };
 constexpr int kCellShift = 16;
+constexpr int kKeyExpLo = 96, kKeyEntries = 1 << 13;
 
 struct LowBitTensorList {
   int64_t count = 0;

@@ -43,6 +43,8 @@ for fmt in ("int8", "bf16"):
     for pd in (torch.float32, torch.bfloat16):
         gen = torch.Generator().manual_seed(2)
         sizes = [1, 255, 257, 4097, 70001]
+        # the last base puts Philox group 2^32 (its counter's low word wrapping) inside a block
+        bases = [7 * n for n in sizes[:-1]] + [8 * (1 << 32) - 8 * 37 - 3]
         p = [torch.randn(n, generator=gen).to(pd) for n in sizes]
         g = [torch.randn(n, generator=gen).bfloat16() for n in sizes]
         if fmt == "int8":
@@ -55,7 +57,7 @@ for fmt in ("int8", "bf16"):
             ms = vs = None
         for step in (1, 2):
             fused_adam_lowbit_(p, g, m, v, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=step,
-                               exp_avg_scales=ms, exp_avg_sq_scales=vs, index_bases=[7 * n for n in sizes], seed=3,
+                               exp_avg_scales=ms, exp_avg_sq_scales=vs, index_bases=bases, seed=3,
                                backend="cpu")
         out[("lowbit", fmt, pd)] = (p, m, v, (ms or []) + (vs or []))
 torch.save(out, sys.argv[1])

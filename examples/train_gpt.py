@@ -4,6 +4,13 @@
     torchrun --nproc_per_node=2 examples/train_gpt.py --optimizer torch     # DDP + torch.optim.AdamW
     torchrun --nproc_per_node=2 examples/train_gpt.py --zero-stage 1 --dtype bf16 --grad-accum 4
     python examples/train_gpt.py                                            # one process
+    torchrun --nproc_per_node=2 --max-restarts=1 examples/train_gpt.py --ckpt-dir ckpt --kill-at-step 25
+
+--ckpt-dir: a DCP checkpoint of the model and optimizer every --ckpt-every steps, and a run
+that finds one there resumes from the latest (at any world size: DCP re-shards). With
+torchrun --max-restarts, a rank that dies (--kill-at-step kills one, on the first attempt
+only, to try it) makes the others raise within seconds, and torchrun restarts every rank,
+which resume from the last checkpoint on the same loss curve.
 
 The data is a fixed random Markov chain over the vocabulary (nothing is
 downloaded), so the loss falls towards the chain's entropy. Every rank takes its
@@ -15,6 +22,7 @@ import contextlib
 import json
 import math
 import os
+import signal
 import time
 
 import torch
@@ -97,8 +105,11 @@ def train(args, rank=0, world=1, device="cpu"):
 
     per_rank = args.batch // world
     micro = per_rank // args.grad_accum
-    losses, t0, tokens = [], time.perf_counter(), 0
+    start = load_checkpoint(args.ckpt_dir, model, opt, rank) if args.ckpt_dir else 0
+    losses, t0, tokens = {}, time.perf_counter(), 0
     for step, (x, y) in enumerate(markov_batches(args.vocab, args.ctx, args.batch, args.steps, args.seed)):
+        if step < start:  # drawn and dropped: the data stream continues where the checkpoint left it
+            continue
         x, y = x[rank * per_rank:(rank + 1) * per_rank].to(device), y[rank * per_rank:(rank + 1) * per_rank].to(device)
         opt.zero_grad()
         total = torch.zeros((), device=device)
@@ -108,16 +119,65 @@ def train(args, rank=0, world=1, device="cpu"):
                 loss = F.cross_entropy(net(xs).float().flatten(0, 1), ys.flatten()) / args.grad_accum
                 loss.backward()
             total += loss.detach()
+        if step == args.kill_at_step and rank == args.kill_rank % world and first_attempt():
+            print(f"rank {rank}: killed at step {step}, between backward and step (--kill-at-step)", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         opt.step()
         if world > 1:
             dist.all_reduce(total)
             total /= world
-        losses.append(total.item())
+        losses[step] = total.item()
         tokens += args.batch * args.ctx
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             rate = tokens / (time.perf_counter() - t0)
-            print(f"step {step:4d}  loss {losses[-1]:.4f}  {rate:,.0f} tokens/s  {memory(opt, model)}", flush=True)
+            print(f"step {step:4d}  loss {losses[step]:.4f}  {rate:,.0f} tokens/s  {memory(opt, model)}", flush=True)
+        if args.ckpt_dir and (step + 1) % args.ckpt_every == 0:
+            save_checkpoint(args.ckpt_dir, step, model, opt, rank, world)
     return losses
+
+
+def first_attempt():
+    """True unless torchrun has restarted the workers (TORCHELASTIC_RESTART_COUNT)."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+
+def save_checkpoint(ckpt_dir, step, model, opt, rank, world):
+    """DCP checkpoint of model and optimizer after `step`; then `latest` names it (written last,
+    atomically, so a rank dying mid-save leaves the previous checkpoint the latest)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    name = f"step{step:06d}"
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+             checkpoint_id=os.path.join(ckpt_dir, name))
+    if world > 1:
+        dist.barrier()  # every rank's shards are written
+    if rank == 0:
+        with open(os.path.join(ckpt_dir, "latest.tmp"), "w") as f:
+            f.write(name)
+        os.replace(os.path.join(ckpt_dir, "latest.tmp"), os.path.join(ckpt_dir, "latest"))
+
+
+def load_checkpoint(ckpt_dir, model, opt, rank):
+    """Load the latest checkpoint in ckpt_dir, if any: the step to continue from (0 if none)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    os.makedirs(ckpt_dir, exist_ok=True)
+    latest = os.path.join(ckpt_dir, "latest")
+    if not os.path.exists(latest):
+        return 0
+    with open(latest) as f:
+        name = f.read().strip()
+    sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(sd, checkpoint_id=os.path.join(ckpt_dir, name))
+    set_model_state_dict(model, sd["model"])
+    set_optimizer_state_dict(model, opt, sd["optim"])
+    step = int(name.removeprefix("step"))
+    if rank == 0:
+        print(f"resumed from {os.path.join(ckpt_dir, name)}: continuing at step {step + 1}", flush=True)
+    return step + 1
 
 
 def memory(opt, model):
@@ -154,6 +214,11 @@ def parser():
                     help="auto: one GPU per local rank if there is a GPU, else CPU ranks (gloo)")
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--log-json", help="write the loss curve here (rank 0)")
+    ap.add_argument("--ckpt-dir", help="DCP checkpoints here; resume from the latest one found")
+    ap.add_argument("--ckpt-every", type=int, default=10, help="steps between checkpoints")
+    ap.add_argument("--kill-at-step", type=int, default=-1,
+                    help="to try recovery: SIGKILL one rank at this step, on torchrun's first attempt only")
+    ap.add_argument("--kill-rank", type=int, default=-1, help="the rank --kill-at-step kills (default: the last)")
     return ap
 
 
@@ -185,10 +250,12 @@ def main():
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     losses = train(args, rank, world, device)
     if rank == 0:
-        print(f"final loss {losses[-1]:.4f} (uniform guess: {math.log(args.vocab):.4f})")
-        if args.log_json:
+        if losses:
+            print(f"final loss {losses[max(losses)]:.4f} (uniform guess: {math.log(args.vocab):.4f})")
+        if args.log_json:  # steps this run trained (a resumed run starts after its checkpoint)
             with open(args.log_json, "w") as f:
-                json.dump({"args": vars(args), "world": world, "losses": losses}, f)
+                json.dump({"args": vars(args), "world": world, "first_step": min(losses, default=None),
+                           "losses": [losses[k] for k in sorted(losses)]}, f)
     if world > 1:
         dist.destroy_process_group()
 

@@ -239,7 +239,7 @@ def checkpoint_resume(rank, world, path, steps_before, steps_after):
 
 
 def example_losses(rank, world, optimizer, dtype, grad_accum, stage):
-    """examples/train_gpt.py's train() on this rank."""
+    """examples/train_gpt.py's train() on this rank: its losses."""
     import os
     import sys
 
@@ -250,4 +250,4 @@ def example_losses(rank, world, optimizer, dtype, grad_accum, stage):
     args = train_gpt.parser().parse_args(["--optimizer", optimizer, "--dtype", dtype, "--grad-accum", str(grad_accum),
                                           "--steps", "25", "--log-every", "1000"]
                                          + ([] if stage is None else ["--zero-stage", str(stage)]))
-    return train_gpt.train(args, rank, world)
+    return list(train_gpt.train(args, rank, world).values())  # {step: loss}, in step order

@@ -50,6 +50,30 @@ class CollectiveMismatch(RuntimeError):
     """The ranks reached different collectives (raised alike on every rank)."""
 
 
+class RankLost(CollectiveMismatch):
+    """Another rank's connection closed while this one waited for it: that rank exited, crashed
+    or was killed (a CollectiveMismatch too, so code that catches those catches this)."""
+
+
+# What gloo says when the peer's process is gone (its sockets closed by the kernel).
+_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+_RESTART_HINT = ("If torchrun restarted the workers (--max-restarts) with --rdzv-backend c10d, the store it shares "
+                 "with them still holds the last attempt's addresses (pytorch/pytorch#135712): set "
+                 "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, or launch without --rdzv-backend c10d.")
+
+
+def _new_group(ranks, **kw):
+    """dist.new_group, naming the known cause when it fails on a restarted worker."""
+    try:
+        return dist.new_group(ranks, **kw)
+    except RuntimeError as e:
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+            raise RuntimeError(f"zerokern: creating its process groups failed on a restarted worker "
+                               f"({str(e).splitlines()[0][:160]}). " + _RESTART_HINT) from e
+        raise
+
+
 def _timeout() -> float:
     raw = os.environ.get("ZEROKERN_COLLECTIVE_TIMEOUT", "600")
     try:
@@ -106,9 +130,9 @@ class CollectiveCheck:
         # Local synchronization: only the group's members create them (a sub-group's other ranks
         # never make a zerokern Comm for it). WORLD's are made by everyone anyway.
         local = group is not dist.group.WORLD
-        self.control = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=self.timeout),
-                                      use_local_synchronization=local)
-        self.data = dist.new_group(ranks, backend=dist.get_backend(group), use_local_synchronization=local)
+        self.control = _new_group(ranks, backend="gloo", timeout=timedelta(seconds=self.timeout),
+                                  use_local_synchronization=local)
+        self.data = _new_group(ranks, backend=dist.get_backend(group), use_local_synchronization=local)
         self.seq = 0
         self._queue = queue.SimpleQueue()
         self._error = None  # the first failure: every later collective fails with it
@@ -182,9 +206,16 @@ class CollectiveCheck:
         try:
             op()
         except RuntimeError as e:
+            cause = str(e).splitlines()[0][:160]
+            if any(g in str(e) for g in _GONE):
+                raise RankLost(
+                    f"zerokern (rank {self.rank}): another rank is gone while this one waited for #{seq} {what} "
+                    f"({cause}): it exited, crashed or was killed; its own log says why. Every rank stops here "
+                    f"rather than wait. To go on, restart all ranks from your last checkpoint (torchrun "
+                    f"--max-restarts does, and DCP loads at any world size).") from None
             raise CollectiveMismatch(
                 f"zerokern (rank {self.rank}): waiting for the other ranks to reach #{seq} {what} failed "
-                f"({str(e).splitlines()[0][:160]}): a rank stopped, raised, or waits elsewhere (timeout "
+                f"({cause}): a rank stopped, raised, or waits elsewhere (timeout "
                 f"{self.timeout:g} s, ZEROKERN_COLLECTIVE_TIMEOUT). " + _HINT) from None
 
 

@@ -106,11 +106,12 @@ def train(args, rank=0, world=1, device="cpu"):
     per_rank = args.batch // world
     micro = per_rank // args.grad_accum
     start = load_checkpoint(args.ckpt_dir, model, opt, rank) if args.ckpt_dir else 0
-    losses, t0, tokens = {}, time.perf_counter(), 0
+    losses, seconds, t0, tokens = {}, {}, time.perf_counter(), 0
     for step, (x, y) in enumerate(markov_batches(args.vocab, args.ctx, args.batch, args.steps, args.seed)):
         if step < start:  # drawn and dropped: the data stream continues where the checkpoint left it
             continue
         x, y = x[rank * per_rank:(rank + 1) * per_rank].to(device), y[rank * per_rank:(rank + 1) * per_rank].to(device)
+        began = time.perf_counter()
         opt.zero_grad()
         total = torch.zeros((), device=device)
         for k in range(args.grad_accum):
@@ -127,13 +128,14 @@ def train(args, rank=0, world=1, device="cpu"):
             dist.all_reduce(total)
             total /= world
         losses[step] = total.item()
+        seconds[step] = time.perf_counter() - began
         tokens += args.batch * args.ctx
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             rate = tokens / (time.perf_counter() - t0)
             print(f"step {step:4d}  loss {losses[step]:.4f}  {rate:,.0f} tokens/s  {memory(opt, model)}", flush=True)
         if args.ckpt_dir and (step + 1) % args.ckpt_every == 0:
             save_checkpoint(args.ckpt_dir, step, model, opt, rank, world)
-    return losses
+    return losses, seconds  # {step: mean loss over ranks}, {step: this rank's seconds}
 
 
 def first_attempt():
@@ -248,14 +250,15 @@ def main():
     if args.batch % (world * args.grad_accum):
         raise SystemExit(f"--batch {args.batch} must be divisible by world size {world} x --grad-accum {args.grad_accum}")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    losses = train(args, rank, world, device)
+    losses, seconds = train(args, rank, world, device)
     if rank == 0:
         if losses:
             print(f"final loss {losses[max(losses)]:.4f} (uniform guess: {math.log(args.vocab):.4f})")
         if args.log_json:  # steps this run trained (a resumed run starts after its checkpoint)
             with open(args.log_json, "w") as f:
                 json.dump({"args": vars(args), "world": world, "first_step": min(losses, default=None),
-                           "losses": [losses[k] for k in sorted(losses)]}, f)
+                           "losses": [losses[k] for k in sorted(losses)],
+                           "step_seconds": [seconds[k] for k in sorted(seconds)]}, f)
     if world > 1:
         dist.destroy_process_group()
 

@@ -250,4 +250,4 @@ def example_losses(rank, world, optimizer, dtype, grad_accum, stage):
     args = train_gpt.parser().parse_args(["--optimizer", optimizer, "--dtype", dtype, "--grad-accum", str(grad_accum),
                                           "--steps", "25", "--log-every", "1000"]
                                          + ([] if stage is None else ["--zero-stage", str(stage)]))
-    return list(train_gpt.train(args, rank, world).values())  # {step: loss}, in step order
+    return list(train_gpt.train(args, rank, world)[0].values())  # {step: loss}, in step order

@@ -5,10 +5,10 @@ x 2 ranks, each host's link capped (tc tbf), examples/train_gpt.py launched with
     python bench/multihost.py --rate 200mbit --json out.json --plot out.png
 
 Rows: zerokern ZeRO-2, zerokern ZeRO-3, torch DDP + AdamW, each run twice, interleaved (A B C A B
-C). Step time: the median over ranks-0's steps after the first. Inter-host bytes: what both hosts'
-veth pairs sent during the run (tx counters) divided by the steps: it includes the run's setup
-(rendezvous, the first broadcast of the params), so it is an upper bound on a step's traffic; the
-run's --steps 0 twin measures that setup and is subtracted. Needs root and iproute2.
+C). Step time: the median over rank 0's steps after the first. Inter-host bytes per step: what both
+hosts' veth pairs sent during the run (tx counters), less what a --steps 0 run of the same variant
+sent (rendezvous, process groups, the first broadcast of the params), divided by the steps.
+Needs root and iproute2.
 """
 
 import argparse

@@ -64,3 +64,23 @@ def test_lost_rank_ends_the_job_and_resumes_at_another_world_size(tmp_path, unin
     assert log["first_step"] == 4
     # one process sums the batch's gradients in another order than two ranks do
     assert max(abs(a - b) for a, b in zip(log["losses"], uninterrupted[4:])) < 1e-4, (log["losses"], uninterrupted)
+
+
+def test_restarted_worker_group_failure_names_the_store_fix(monkeypatch):
+    """pytorch/pytorch#135712 (a restart reading the last attempt's addresses from the store torchrun
+    shares) is not reproducible on demand, so the failure is made here: on a restarted worker,
+    zerokern's group creation says what to set; on a first attempt the error passes as it is."""
+    from zerokern.zero import collective_check as cc
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("Gloo connectFullMesh failed with ... Connection refused, remote=[127.0.0.1]:54173$1")
+
+    monkeypatch.setattr(cc.dist, "new_group", refused)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    with pytest.raises(RuntimeError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1") as e:
+        cc._new_group([0, 1], backend="gloo")
+    assert "connectFullMesh" in str(e.value)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    with pytest.raises(RuntimeError) as e:
+        cc._new_group([0, 1], backend="gloo")
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in str(e.value)

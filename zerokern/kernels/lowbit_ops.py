@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .backends import torch_lowbit  # the reference's low-bit op, beside torch_ref
 from .backends.hyper import AdamHyper, Scalar
 from ._checks import check_lowbit_args
 from .backends.registry import BACKENDS, PREFERENCE, resolve
@@ -71,8 +72,6 @@ def fused_adam_lowbit_(
 def lowbit_backend(backend: str, device: torch.device):
     """The module whose fused_adam_lowbit_ runs for `backend` on `device`: "auto" takes the first
     usable backend with a low-bit kernel in the device's preference order, else the reference."""
-    from .backends import torch_lowbit  # the reference's low-bit op lives beside torch_ref, not in it
-
     if backend == "auto":
         for name in PREFERENCE.get(device.type, ()):
             if name in _NATIVE_LOWBIT and BACKENDS[name].why_not() is None:

@@ -4,10 +4,15 @@ x 2 ranks, each host's link capped (tc tbf), examples/train_gpt.py launched with
     python bench/multihost.py                          # 1 Gbit/s links, a 14M-param GPT, 6 steps
     python bench/multihost.py --rate 200mbit --json out.json --plot out.png
 
-Rows: zerokern ZeRO-2, zerokern ZeRO-3, torch DDP + AdamW, each run twice, interleaved (A B C A B
-C). Step time: the median over rank 0's steps after the first. Inter-host bytes per step: what both
+Rows: zerokern ZeRO-2 and ZeRO-3 flat (sharded over all 4 ranks) and hybrid (--mesh 2,2: sharded
+within a host, replicated across; [Note: hybrid sharding]), torch FSDP2 HSDP (fully_shard over the
+same 2 x 2 mesh) and torch DDP + AdamW, each run --repeats times, interleaved (A B C .. A B C ..).
+Step time: the median over rank 0's steps after the first. Inter-host bytes per step: what both
 hosts' veth pairs sent during the run (tx counters), less what a --steps 0 run of the same variant
-sent (rendezvous, process groups, the first broadcast of the params), divided by the steps.
+sent (rendezvous, process groups, the first broadcast of the params), divided by the steps; next
+to it the planner's count (zerokern.plan, hosts=2: [Note: bytes across hosts]) and, for hybrid
+rows, zerokern's own count from the collectives' sizes (HybridComm.inter_host_bytes). Both
+counts are payload: the veth counters also carry TCP/IP headers (about 3-4% at a 1500-byte MTU).
 Needs root and iproute2.
 """
 
@@ -25,7 +30,13 @@ import netbed  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = {"zerokern ZeRO-2": ["--zero-stage", "2"], "zerokern ZeRO-3": ["--zero-stage", "3"],
+            "zerokern hybrid ZeRO-2": ["--zero-stage", "2", "--mesh", "2,2"],
+            "zerokern hybrid ZeRO-3": ["--zero-stage", "3", "--mesh", "2,2"],
+            "torch FSDP2 HSDP": ["--optimizer", "fsdp2", "--mesh", "2,2"],
             "torch DDP + AdamW": ["--optimizer", "torch"]}
+# which of the planner's counts a row is: (stage, hybrid)
+PLANNED = {"zerokern ZeRO-2": (2, False), "zerokern ZeRO-3": (3, False), "zerokern hybrid ZeRO-2": (2, True),
+           "zerokern hybrid ZeRO-3": (3, True), "torch FSDP2 HSDP": (3, True), "torch DDP + AdamW": (0, False)}
 
 
 def run(bed, name, model_args, steps, tmp, job):
@@ -53,6 +64,7 @@ def main(argv=None):
     ap.add_argument("--d-model", type=int, default=384)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--only", help="comma-separated row names to run (default: all)")
     ap.add_argument("--json")
     ap.add_argument("--plot")
     args = ap.parse_args(argv)
@@ -63,29 +75,40 @@ def main(argv=None):
                   "--heads", "6", "--ctx", "64", "--batch", "8"]
     d, v, layers = args.d_model, args.vocab, args.layers
     params = v * d + 64 * d + layers * (12 * d * d + 13 * d) + 2 * d
-    samples = {name: {"step_s": [], "bytes_per_step": []} for name in VARIANTS}
+    from zerokern.plan import plan
+    planned = plan(params=params, dp=4, hosts=2, dtype="fp32").stages
+    names = [n for n in VARIANTS if not args.only or n in args.only.split(",")]
+    samples = {name: {"step_s": [], "bytes_per_step": [], "counted": []} for name in names}
     with netbed.NetBed(hosts=2, rate=args.rate) as bed, tempfile.TemporaryDirectory() as tmp:
         job = 0
         for _ in range(args.repeats):
-            for name in VARIANTS:
+            for name in names:
                 job += 1
                 _, setup = run(bed, name, model_args, 0, tmp, f"zk{job}s")
                 log, sent = run(bed, name, model_args, args.steps, tmp, f"zk{job}")
                 samples[name]["step_s"] += log["step_seconds"][1:]
                 samples[name]["bytes_per_step"].append((sent - setup) / args.steps)
+                if log.get("counted_inter_host_bytes") is not None:
+                    samples[name]["counted"].append(log["counted_inter_host_bytes"] / args.steps)
                 print(f"{name:20s} run {job}: median step {statistics.median(log['step_seconds'][1:]):.3f} s, "
                       f"{(sent - setup) / args.steps / 1e6:.1f} MB/step across hosts", flush=True)
     results = []
     print(f"\n{params / 1e6:.1f}M params (fp32), 2 hosts x 2 ranks, links {args.rate}")
-    print(f"{'row':20s} {'step s (p25-p75)':>24s} {'MB/step across hosts':>22s} {'x param bytes':>14s}")
+    print(f"{'row':24s} {'step s (p25-p75)':>22s} {'MB/step across hosts':>21s} {'x param bytes':>14s} "
+          f"{'planner MB':>11s} {'counted MB':>11s}")
     for name, s in samples.items():
         q = statistics.quantiles(s["step_s"], n=4) if len(s["step_s"]) > 1 else [s["step_s"][0]] * 3
         b = statistics.median(s["bytes_per_step"])
+        stage, hybrid = PLANNED[name]
+        plan_b = planned[stage].hybrid_inter_host_bytes if hybrid else planned[stage].inter_host_bytes
+        counted = statistics.median(s["counted"]) if s["counted"] else None
         results.append({"impl": name, "median_step_s": statistics.median(s["step_s"]), "p25_s": q[0], "p75_s": q[2],
                         "bytes_per_step": b, "bytes_per_step_runs": s["bytes_per_step"],
+                        "planner_bytes_per_step": plan_b, "counted_bytes_per_step": counted,
                         "step_s_samples": s["step_s"]})
-        print(f"{name:20s} {statistics.median(s['step_s']):10.3f} ({q[0]:.3f}-{q[2]:.3f}) {b / 1e6:22.1f} "
-              f"{b / (4 * params):14.2f}")
+        print(f"{name:24s} {statistics.median(s['step_s']):8.3f} ({q[0]:.3f}-{q[2]:.3f}) {b / 1e6:21.1f} "
+              f"{b / (4 * params):14.2f} {plan_b / 1e6:11.1f} "
+              f"{'' if counted is None else f'{counted / 1e6:.1f}':>11s}")
     out = {"machine": H.machine_info("cpu"), "rate": args.rate, "params": params, "steps": args.steps,
            "repeats": args.repeats, "hosts": 2, "ranks_per_host": 2, "results": results}
     if args.json:
@@ -95,14 +118,17 @@ def main(argv=None):
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.5))
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
         names = [r["impl"] for r in results]
         a1.barh(names, [r["median_step_s"] for r in results],
                 xerr=[[r["median_step_s"] - r["p25_s"] for r in results], [r["p75_s"] - r["median_step_s"]
                                                                            for r in results]])
         a1.set_xlabel("seconds per step")
-        a2.barh(names, [r["bytes_per_step"] / 1e6 for r in results])
+        a2.barh(names, [r["bytes_per_step"] / 1e6 for r in results], label="measured (veth)")
+        a2.scatter([r["planner_bytes_per_step"] / 1e6 for r in results], names, color="k", marker="|", s=200,
+                   zorder=3, label="planner (ring model)")
         a2.set_xlabel("MB per step across hosts")
+        a2.legend(fontsize=7)
         for a in (a1, a2):
             a.invert_yaxis()
         fig.suptitle(f"{params / 1e6:.1f}M params, 2 hosts x 2 ranks, {args.rate} links")

@@ -83,15 +83,28 @@ def train(args, rank=0, world=1, device="cpu"):
     torch.manual_seed(args.seed)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     model = GPT(args.vocab, args.d_model, args.heads, args.layers, args.ctx).to(device, dtype)
+    # --mesh R,S: hybrid sharding, sharded over S ranks (a host) and replicated over R hosts
+    mesh = tuple(int(n) for n in args.mesh.split(",")) if args.mesh else None
     if args.optimizer == "zerokern" and args.zero_stage == 3:  # params sharded too: each block a unit
         for blk in model.blocks:
-            zerokern.shard(blk, stage=3, bucket_cap_mb=args.bucket_cap_mb)
-        zerokern.shard(model, stage=3, bucket_cap_mb=args.bucket_cap_mb)  # embedding, final norm
+            zerokern.shard(blk, stage=3, bucket_cap_mb=args.bucket_cap_mb, mesh=mesh)
+        zerokern.shard(model, stage=3, bucket_cap_mb=args.bucket_cap_mb, mesh=mesh)  # embedding, final norm
         opt = FusedZeroAdam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
         net = model
     elif args.optimizer == "zerokern":
         opt = FusedZeroAdam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
-                            zero_stage=args.zero_stage, bucket_cap_mb=args.bucket_cap_mb)
+                            zero_stage=args.zero_stage, bucket_cap_mb=args.bucket_cap_mb, mesh=mesh)
+        net = model
+    elif args.optimizer == "fsdp2":  # torch's FSDP2 (fully_shard), HSDP with --mesh, for comparison
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        shape = mesh or (world,)
+        dm = init_device_mesh(device if isinstance(device, str) else device.type, shape,
+                              mesh_dim_names=("replicate", "shard")[-len(shape):])
+        for blk in model.blocks:
+            fully_shard(blk, mesh=dm)
+        fully_shard(model, mesh=dm)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
         net = model
     else:
         net = nn.parallel.DistributedDataParallel(model) if world > 1 else model
@@ -101,6 +114,8 @@ def train(args, rank=0, world=1, device="cpu"):
         """Micro-batches before the last one: no gradient communication."""
         if args.optimizer == "zerokern":
             return opt.no_sync()
+        if args.optimizer == "fsdp2":
+            return _fsdp_no_sync(model)
         return net.no_sync() if world > 1 else contextlib.nullcontext()
 
     per_rank = args.batch // world
@@ -135,7 +150,18 @@ def train(args, rank=0, world=1, device="cpu"):
             print(f"step {step:4d}  loss {losses[step]:.4f}  {rate:,.0f} tokens/s  {memory(opt, model)}", flush=True)
         if args.ckpt_dir and (step + 1) % args.ckpt_every == 0:
             save_checkpoint(args.ckpt_dir, step, model, opt, rank, world)
-    return losses, seconds  # {step: mean loss over ranks}, {step: this rank's seconds}
+    # {step: mean loss over ranks}, {step: this rank's seconds}, and with --mesh the bytes this rank
+    # sent to other hosts by zerokern's count from the collectives' sizes ([Note: hybrid sharding])
+    return losses, seconds, getattr(getattr(opt, "comm", None), "inter_host_bytes", None)
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def first_attempt():
@@ -196,7 +222,9 @@ def memory(opt, model):
 
 def parser():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--optimizer", choices=["zerokern", "torch"], default="zerokern")
+    ap.add_argument("--optimizer", choices=["zerokern", "torch", "fsdp2"], default="zerokern",
+                    help="torch: DDP + AdamW; fsdp2: torch's fully_shard + AdamW (HSDP with --mesh)")
+    ap.add_argument("--mesh", help="R,S: hybrid sharding over R hosts x S ranks each (sharded within a host)")
     ap.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
                     help="3: zerokern.shard(stage=3) on each block and the root")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
@@ -250,7 +278,11 @@ def main():
     if args.batch % (world * args.grad_accum):
         raise SystemExit(f"--batch {args.batch} must be divisible by world size {world} x --grad-accum {args.grad_accum}")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    losses, seconds = train(args, rank, world, device)
+    losses, seconds, counted = train(args, rank, world, device)
+    if counted is not None:  # every rank's count, summed: what all links carried by that count
+        total = torch.tensor([float(counted)])
+        dist.all_reduce(total)
+        counted = total.item()
     if rank == 0:
         if losses:
             print(f"final loss {losses[max(losses)]:.4f} (uniform guess: {math.log(args.vocab):.4f})")
@@ -258,7 +290,8 @@ def main():
             with open(args.log_json, "w") as f:
                 json.dump({"args": vars(args), "world": world, "first_step": min(losses, default=None),
                            "losses": [losses[k] for k in sorted(losses)],
-                           "step_seconds": [seconds[k] for k in sorted(seconds)]}, f)
+                           "step_seconds": [seconds[k] for k in sorted(seconds)],
+                           "counted_inter_host_bytes": counted}, f)
     if world > 1:
         dist.destroy_process_group()
 

@@ -50,7 +50,8 @@ class FusedZeroAdam(EngineOptimizer):
     FusedZeroAdam(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=None, *,
                   adam_w_mode=True, bias_correction=True, zero_stage=None, process_group=None,
                   bucket_cap_mb=None, overlap_comm=None, max_grad_norm=None, backend="auto", offload=None,
-                  overlap_param_gather=None, state_precision="fp32", master_weights=True, rounding_seed=0)
+                  overlap_param_gather=None, state_precision="fp32", master_weights=True, rounding_seed=0,
+                  mesh=None)
 
     state_precision ("fp32", "bf16", "int8") and master_weights (False: bf16 params without fp32
     masters, stochastically rounded) cut the optimizer state to 2.03 bytes per param at the least
@@ -67,7 +68,8 @@ class FusedZeroAdam(EngineOptimizer):
     given there. Other params form one unit built here with zero_stage (None:
     2 when a process group of size > 1 is in use, else 0), process_group (None:
     the default group if torch.distributed is initialized, else one process),
-    bucket_cap_mb (25), overlap_comm (True), offload (None, or
+    bucket_cap_mb (25), overlap_comm (True), mesh (None, or hybrid sharding over a
+    (replicate, shard) DeviceMesh or pair of sizes: [Note: hybrid sharding]), offload (None, or
     zerokern.OffloadPolicy()) and overlap_param_gather (False). Stage 1 shards
     the fp32 master weights and Adam state; stage 2 also the gradients: on
     several ranks each bucket's full gradient buffer is freed as soon as its
@@ -114,7 +116,7 @@ class FusedZeroAdam(EngineOptimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=None, *, adam_w_mode=True,
                  bias_correction=True, zero_stage=None, process_group=None, bucket_cap_mb=None, overlap_comm=None,
                  max_grad_norm=None, backend="auto", offload=None, overlap_param_gather=None,
-                 state_precision="fp32", master_weights=True, rounding_seed=0):
+                 state_precision="fp32", master_weights=True, rounding_seed=0, mesh=None):
         if weight_decay is None:  # the defaults of the classes users swap out: AdamW 0.01, Adam 0
             weight_decay = 0.01 if adam_w_mode else 0.0
         check_hyper(lr, betas, eps, weight_decay)
@@ -131,7 +133,7 @@ class FusedZeroAdam(EngineOptimizer):
         names = {p: n for g in self.param_groups for p, n in zip(g["params"], g.get("param_names", ()))}
         self.engine = ZeroEngine(self, [g["params"] for g in self.param_groups], names, zero_stage=zero_stage,
                                  process_group=process_group, bucket_cap_mb=bucket_cap_mb, overlap_comm=overlap_comm,
-                                 offload=offload, overlap_param_gather=overlap_param_gather,
+                                 offload=offload, overlap_param_gather=overlap_param_gather, mesh=mesh,
                                  what="FusedZeroAdam", options=repr((self.options, self.state_policy)),
                                  state=None if self.state_policy.plain else self.state_policy)
         trainable = self.engine.trainable

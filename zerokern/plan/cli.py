@@ -66,6 +66,8 @@ def parser():
                        help="stage 3 with --params: params of the root unit (embeddings, final norm)")
     par = ap.add_argument_group("parallelism")
     par.add_argument("--dp", type=count, default=1, help="data-parallel size")
+    par.add_argument("--hosts", type=count, default=1,
+                     help="hosts the dp ranks are on: bytes between hosts, flat and hybrid (mesh=(hosts, dp/hosts))")
     par.add_argument("--tp", type=count, default=1, help="tensor-parallel size")
     par.add_argument("--pp", type=count, default=1, help="pipeline-parallel size")
     par.add_argument("--micro-batches", type=count, default=1, help="micro-batches per step (pipeline bubble)")
@@ -139,6 +141,16 @@ def render(p, marked=None):
     else:
         lines.append("gathered: stage 3's full params while units compute (the root unit, the unit computing and "
                      "the one prefetched; one layer per unit from the shape, or --unit-params/--root-params)")
+    if p.hosts > 1:
+        lines += ["", f"across {p.hosts} hosts ({p.dp // p.hosts} ranks each), per step, all links together "
+                  "([Note: bytes across hosts]): flat sharding over all ranks vs hybrid (mesh=(hosts, ranks per "
+                  "host): sharded within a host, replicated across)"]
+        rows = [["stage", "flat GB across hosts", "hybrid GB across hosts", "hybrid saves", "hybrid total GB/GPU"]]
+        for s in p.stages:
+            rows.append([str(s.stage), _gb(s.inter_host_bytes), _gb(s.hybrid_inter_host_bytes),
+                         f"{s.inter_host_bytes / s.hybrid_inter_host_bytes:.2f}x", _gb(s.hybrid_total_bytes)])
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines += ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     if p.pp > 1:
         lines.append(f"pipeline bubble: (pp-1)/(m+pp-1) = {p.pipeline_bubble:.1%} with m={p.micro_batches} micro-batches")
     if p.offload_optimizer:
@@ -158,7 +170,8 @@ def main(argv=None):
                  offload_optimizer=args.offload_optimizer, gpu_memory=args.gpu_memory,
                  micro_batches=args.micro_batches, dp_bandwidth=args.dp_bandwidth,
                  bucket_cap_mb=args.bucket_cap_mb, unit_params=args.unit_params, root_params=args.root_params,
-                 state_precision=args.state_precision, master_weights=not args.no_master_weights)
+                 state_precision=args.state_precision, master_weights=not args.no_master_weights,
+                 hosts=args.hosts)
     except ValueError as e:
         ap.error(str(e))  # exit code 2
     if args.json:

@@ -63,10 +63,21 @@ updated params: the same 2x; ZeRO-3 all-gathers the params for forward and
 again for backward and reduce-scatters the grads: 3x, 1.5 times as much.
 Elements travel in the training dtype. Pipeline bubble: (pp - 1) / (m + pp - 1)
 for m micro-batches.
+
+[Note: bytes across hosts] With the dp ranks on `hosts` hosts (consecutive ranks on one host, as
+torchrun numbers them), a ring over all dp ranks crosses between hosts `hosts` times, and each
+ring edge carries (dp - 1)/dp of the tensor per reduce-scatter or all-gather: flat sharding
+sends hosts * (dp - 1)/dp * params bytes across hosts per such collective, 2 of them at stages
+0-2 and 3 at stage 3 (all links together, both directions). Hybrid sharding (mesh=(hosts,
+dp/hosts), [Note: hybrid sharding] in zerokern/zero/hybrid_comm.py) shards within a host and
+all-reduces each reduced shard across the hosts over one rank per host: dp/hosts rings of
+`hosts` ranks, each all-reduce sending 2 (hosts - 1)/hosts of a shard per rank, so 2 (hosts - 1)
+* params bytes in all at every stage from 1 on; the param gathers stay inside each host. Its
+memory is that of sharding over dp/hosts ranks.
 """
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import List, Optional
 
 from .units import to_bytes
@@ -94,6 +105,10 @@ class StagePlan:
     # stage 3: full params gathered at once ([Note: the stage-3 working set]); None where it is not
     # modelled (a param count without unit_params), and then left out of total_bytes
     gathered_bytes: Optional[float] = 0.0
+    # [Note: bytes across hosts]: all links together per step; None with one host
+    inter_host_bytes: Optional[float] = None
+    hybrid_inter_host_bytes: Optional[float] = None
+    hybrid_total_bytes: Optional[float] = None  # per GPU, sharded within a host only
 
 
 @dataclass(frozen=True)
@@ -113,6 +128,7 @@ class Plan:
     formula: str = ""
     state_precision: str = "fp32"
     master_weights: bool = True
+    hosts: int = 1
 
     @property
     def smallest_fitting_stage(self) -> Optional[int]:
@@ -162,7 +178,7 @@ def _positive(name, value, allow_zero=False):
 def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_hidden=None, arch="gpt",
          kv_heads=None, dp=1, tp=1, pp=1, dtype="bf16", offload_optimizer=None, gpu_memory=80e9, micro_batches=1,
          dp_bandwidth=100e9, bucket_cap_mb=25.0, largest_param=None, unit_params=None, root_params=None,
-         state_precision="fp32", master_weights=True) -> Plan:
+         state_precision="fp32", master_weights=True, hosts=1) -> Plan:
     """The memory and communication plan for every ZeRO stage. Give either
     `params` (a count; tp and pp then split it evenly) or the shape (layers,
     hidden, heads, vocab[, ffn_hidden]) of a GPT-style (arch="gpt") or Llama-style
@@ -173,7 +189,8 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
     gpu_memory and dp_bandwidth take bytes (per second) as a number, or the command line's strings
     with a unit: '24GB', '24GiB', '100GB/s', '400Gb/s' (bits); a string without a unit is refused.
     state_precision ("fp32", "bf16", "int8") and master_weights (False: bf16 params without fp32
-    masters) are FusedZeroAdam's options of the same names. The int8 layout's padding (each param
+    masters) are FusedZeroAdam's options of the same names. hosts: how many hosts the dp ranks are
+    on, for the bytes each step sends between them, flat and hybrid ([Note: bytes across hosts]). The int8 layout's padding (each param
     starts on a block of 256 elements, under 256 per param) is not counted."""
     if arch not in ("gpt", "llama"):
         raise ValueError(f"arch must be 'gpt' or 'llama', got {arch!r}")
@@ -188,8 +205,10 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
         raise ValueError(f"offload_optimizer must be 'cpu' or None, got {offload_optimizer!r}")
     offload = offload_optimizer == "cpu"
     for name, v in (("dp", dp), ("tp", tp), ("pp", pp), ("micro_batches", micro_batches),
-                    ("bucket_cap_mb", bucket_cap_mb)):
+                    ("bucket_cap_mb", bucket_cap_mb), ("hosts", hosts)):
         _positive(name, v)
+    if dp % hosts:
+        raise ValueError(f"dp {dp} is not divisible by hosts {hosts} (each host holds dp/hosts ranks)")
     gpu_memory, dp_bandwidth = to_bytes("gpu_memory", gpu_memory), to_bytes("dp_bandwidth", dp_bandwidth, True)
     shape = (layers, hidden, heads, vocab)
     if params is not None and any(x is not None for x in shape):
@@ -255,29 +274,43 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
     adam = STATE_BYTES[state_precision] * per_gpu
     stages = []
     for stage in range(4):
-        shard = lambda x, s: x / dp if stage >= s else x  # noqa: E731
-        optimizer = shard(master, 1) + shard(adam, 1)
-        off = offload and stage >= 1  # ZeRO-Offload moves the sharded optimizer state: stage 1 and up
-        # [Note: what zerokern holds]: stage 1's reduced shard, stage 2's buckets in flight (with dp > 1)
-        buffers, gathered = 0.0, 0.0
-        if dp > 1 and stage == 1:
-            buffers = g_bytes / dp
-        elif dp > 1 and stage >= 2:
-            cap = bucket_cap_mb * 2**20
-            held_open = cap if largest_param is None else max(cap, b * largest_param)
-            buffers = min(g_bytes, 4 * cap + held_open)
-            if stage == 3:  # [Note: the stage-3 working set]; None: no unit size, so not modelled
-                gathered = None if unit_params is None else min(p_bytes, b * (root_params + 2 * unit_params))
-        gpu = shard(p_bytes, 3) + (gathered or 0) + shard(g_bytes, 2) + buffers + (0 if off else optimizer)
-        comm = (3 if stage == 3 else 2) * per_gpu * b * (dp - 1) / dp
-        stages.append(StagePlan(
-            stage=stage, params_bytes=shard(p_bytes, 3), grads_bytes=shard(g_bytes, 2), buffers_bytes=buffers,
-            master_bytes=0 if off else shard(master, 1), adam_bytes=0 if off else shard(adam, 1),
-            total_bytes=gpu, cpu_bytes=optimizer if off else 0, fits=gpu <= gpu_memory,
-            headroom_bytes=gpu_memory - gpu, comm_bytes=comm, comm_seconds=comm / dp_bandwidth,
-            gathered_bytes=gathered))
+        stages.append(_stage(stage, dp, b, p_bytes, g_bytes, master, adam, offload, bucket_cap_mb, largest_param,
+                             unit_params, root_params, per_gpu, gpu_memory, dp_bandwidth))
+        if hosts > 1:
+            local = _stage(stage, dp // hosts, b, p_bytes, g_bytes, master, adam, offload, bucket_cap_mb,
+                           largest_param, unit_params, root_params, per_gpu, gpu_memory, dp_bandwidth)
+            flat = hosts * (3 if stage == 3 else 2) * p_bytes * (dp - 1) / dp
+            hybrid = flat if stage == 0 else 2 * (hosts - 1) * p_bytes
+            stages[-1] = replace(stages[-1], inter_host_bytes=flat, hybrid_inter_host_bytes=hybrid,
+                                 hybrid_total_bytes=local.total_bytes)
     return Plan(params_total=total, params_per_gpu=per_gpu, dp=dp, tp=tp, pp=pp, dtype=dtype,
                 offload_optimizer="cpu" if offload else None, gpu_memory_bytes=gpu_memory,
                 dp_bandwidth_bytes_per_s=dp_bandwidth, micro_batches=micro_batches,
                 pipeline_bubble=(pp - 1) / (micro_batches + pp - 1), stages=stages, formula=formula,
-                state_precision=state_precision, master_weights=master_weights)
+                state_precision=state_precision, master_weights=master_weights, hosts=hosts)
+
+
+def _stage(stage, dp, b, p_bytes, g_bytes, master, adam, offload, bucket_cap_mb, largest_param, unit_params,
+           root_params, per_gpu, gpu_memory, dp_bandwidth) -> StagePlan:
+    """One stage's memory and communication when sharding over dp ranks."""
+    shard = lambda x, s: x / dp if stage >= s else x  # noqa: E731
+    optimizer = shard(master, 1) + shard(adam, 1)
+    off = offload and stage >= 1  # ZeRO-Offload moves the sharded optimizer state: stage 1 and up
+    # [Note: what zerokern holds]: stage 1's reduced shard, stage 2's buckets in flight (with dp > 1)
+    buffers, gathered = 0.0, 0.0
+    if dp > 1 and stage == 1:
+        buffers = g_bytes / dp
+    elif dp > 1 and stage >= 2:
+        cap = bucket_cap_mb * 2**20
+        held_open = cap if largest_param is None else max(cap, b * largest_param)
+        buffers = min(g_bytes, 4 * cap + held_open)
+        if stage == 3:  # [Note: the stage-3 working set]; None: no unit size, so not modelled
+            gathered = None if unit_params is None else min(p_bytes, b * (root_params + 2 * unit_params))
+    gpu = shard(p_bytes, 3) + (gathered or 0) + shard(g_bytes, 2) + buffers + (0 if off else optimizer)
+    comm = (3 if stage == 3 else 2) * per_gpu * b * (dp - 1) / dp
+    return StagePlan(
+        stage=stage, params_bytes=shard(p_bytes, 3), grads_bytes=shard(g_bytes, 2), buffers_bytes=buffers,
+        master_bytes=0 if off else shard(master, 1), adam_bytes=0 if off else shard(adam, 1),
+        total_bytes=gpu, cpu_bytes=optimizer if off else 0, fits=gpu <= gpu_memory,
+        headroom_bytes=gpu_memory - gpu, comm_bytes=comm, comm_seconds=comm / dp_bandwidth,
+        gathered_bytes=gathered)

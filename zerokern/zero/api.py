@@ -25,7 +25,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import ddp_guard
 from . import model_state
-from .comm import Comm, make_comm
+from .comm import Comm
+from .hybrid_comm import comm_for
 from .lowbit_store import StatePolicy
 from .materialize import in_scope, materialize
 from .stage3 import runtime_for
@@ -90,7 +91,8 @@ def _forward_pre_hook(module, args):
 def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket_cap_mb: float = 25.0,
           overlap_comm: bool = True, offload: Optional[OffloadPolicy] = None,
           overlap_param_gather: bool = False, reshard_after_forward: bool = True, device=None,
-          init: Optional[Callable[[torch.nn.Module], None]] = None, state_precision: str = "fp32") -> torch.nn.Module:
+          init: Optional[Callable[[torch.nn.Module], None]] = None, state_precision: str = "fp32",
+          mesh=None) -> torch.nn.Module:
     """Make `module` a unit: its trainable params not owned by a unit inside it are
     flattened into buckets that one FusedZeroAdam (built later over the params)
     reduces, updates and gathers. Call it on each block, then on the root. Returns
@@ -106,7 +108,9 @@ def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket
     init(module), and sharded before shard() returns ([Note: meta init] in zero/materialize.py).
     state_precision: what the optimizer will keep Adam's moments in; "int8" lays the buckets out in
     blocks of 256 elements ([Note: int8 shards in blocks] in zero/lowbit_store.py), so pass the
-    same value to FusedZeroAdam."""
+    same value to FusedZeroAdam. mesh: hybrid sharding, sharded within each host and replicated across
+    hosts: a 2-D DeviceMesh with dims ("replicate", "shard") as FSDP2's HSDP takes, or a (replicate,
+    shard) pair of sizes (the same on every shard() call; [Note: hybrid sharding] in zero/hybrid_comm.py)."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"shard() takes an nn.Module, got {type(module).__name__}")
     if isinstance(module, ZeroModule):
@@ -116,7 +120,9 @@ def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket
                          reshard_after_forward=reshard_after_forward, **({} if align is None else {"align": align}))
     if init is not None and not callable(init):
         raise TypeError(f"init must be a callable taking the module, got {type(init).__name__}")
-    comm = make_comm(process_group)
+    on_cuda = any(p.is_cuda for p in module.parameters()) or (device is not None and torch.device(device).type
+                                                               == "cuda")
+    comm = comm_for(process_group, mesh, "cuda" if on_cuda else "cpu")
     strategy = config.strategy(comm.world_size)
     if strategy.materializes_meta:
         if device is None:
@@ -205,7 +211,7 @@ def full_state_dict(model: torch.nn.Module, *, rank0_only: bool = True, device="
         where = unit.locate(p) if unit is not None else None
         if where is None or not where[0].shards_params or id(p) in whole:
             continue
-        keep = not rank0_only or comm.rank == 0
+        keep = not rank0_only or comm.leads
         f = where[0]
         for b, bucket in enumerate(f.layout.buckets):  # the whole FlatParams at once: the same order everywhere
             full = f.param_shards[b].new_empty(bucket.padded_numel)
@@ -214,8 +220,8 @@ def full_state_dict(model: torch.nn.Module, *, rank0_only: bool = True, device="
                 slot = f.layout.slots[i]
                 value = full[slot.offset:slot.offset + slot.numel].view(f.members[i].shape)
                 whole[id(f.params[i])] = value.to(device, copy=True) if keep else None
-    rank = comm.rank if comm is not None else (dist.get_rank() if dist.is_initialized() else 0)
-    if rank0_only and rank != 0:
+    leads = comm.leads if comm is not None else (dist.get_rank() == 0 if dist.is_initialized() else True)
+    if rank0_only and not leads:
         return {}
     out = {}
     for k, v in sd.items():  # copies throughout (a snapshot, as the gathered ones are)

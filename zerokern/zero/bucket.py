@@ -144,7 +144,7 @@ class GradBucket:
         if self.scatters:
             self.work = self.comm.reduce_scatter(self.shard, full, name=f"reduce_scatter[{self.name}]")
         else:
-            self.work = self.comm.all_reduce(full, name=f"all_reduce[{self.name}]")
+            self.work = self.comm.all_reduce(full, name=f"all_reduce[{self.name}]", across=full)
         self.state = BucketState.IN_FLIGHT
 
     def _begin_launch(self, zero_missing: bool) -> torch.Tensor:
@@ -169,7 +169,7 @@ class GradBucket:
         self.comm.wait(self.work)
         self.work = None
         if self.comm.distributed:
-            (self.shard if self.scatters else self.full).div_(self.comm.world_size)
+            (self.shard if self.scatters else self.full).div_(self.comm.dp_size)
         if not self.scatters:
             self.note_write()  # in place: the average is now what the buffer holds
         self.state = BucketState.REDUCED

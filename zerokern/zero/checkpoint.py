@@ -131,7 +131,7 @@ def full_state_dict(opt):
         moments = {key: (_gather(opt, s.state[key], dev), _gather(opt, scales[key], dev) if scales else None)
                    for key in MOMENTS}
         w = _gather(opt, s.master, dev) if s.separate_master and s.master_valid else None
-        if opt.comm.rank != 0:
+        if not opt.comm.leads:
             continue
         for i in s.bucket.plan.tensors:
             p, slot, shape = s.flat.params[i], s.flat.layout.slots[i], s.flat.members[i].shape  # stage 3: p is empty
@@ -144,7 +144,7 @@ def full_state_dict(opt):
                     state[k][key] = _decoded(full[sl], full_scales, slot.offset, SECOND[key]).view(shape)
             if w is not None and s.low_precision:
                 masters[k] = w[sl].view(shape).clone()
-    if opt.comm.rank != 0:
+    if not opt.comm.leads:
         return None
     out = {"state": state, "param_groups": _groups_meta(opt)}
     if masters:

@@ -80,6 +80,21 @@ class Comm:
     def distributed(self):
         return self.world_size > 1
 
+    @property
+    def dp_size(self) -> int:
+        """How many ranks' grads a reduced grad averages (hybrid_comm.HybridComm: the whole mesh's)."""
+        return self.world_size
+
+    @property
+    def leads(self) -> bool:
+        """The one rank that gets what is handed to one rank (a full state dict)."""
+        return self.rank == 0
+
+    @property
+    def shards(self) -> "Comm":
+        """The group the state is sharded over: this one (hybrid sharding: the mesh's shard group)."""
+        return self
+
     def _launch(self, name, tensor, start):
         """Every collective enters here once: start(group) launches it (async) on `group` and
         returns its Work. With the check on, it is announced to the other ranks first and
@@ -106,7 +121,9 @@ class Comm:
         return self._launch(name, input, lambda g: _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=g,
                                                                     async_op=True))
 
-    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, name="all_reduce"):
+    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, name="all_reduce", across=None):
+        """across: the part of `tensor` still needed after (grads: this rank's range); only
+        hybrid sharding reads it ([Note: hybrid sharding])."""
         if not self.distributed:
             return _Done()
         return self._launch(name, tensor, lambda g: dist.all_reduce(tensor, op=op, group=g, async_op=True))
@@ -158,8 +175,8 @@ class Comm:
             raise RuntimeError(
                 "zerokern: the ranks are at different calls, so their collectives would not pair: "
                 + "; ".join(f"rank {r} in {w}" for r, w in enumerate(doing))
-                + ". Every rank must make the same zerokern.shard() calls, in the same order, and then build "
-                "FusedZeroAdam")
+                + ". Every rank must make the same zerokern.shard() calls (with the same mesh=, if any), in the same "
+                "order, and then build the optimizer")
         values = [m for _, m in everyone]
         return values if any(other != values[0] for other in values) else None
 

@@ -25,7 +25,7 @@ from . import ddp_guard
 from .api import make_unit, unit_of
 from .param_gather import GatherAfterStep
 from .schedule import ReduceSchedule
-from .comm import make_comm
+from .hybrid_comm import comm_for, describe, resolve_mesh
 from .stage import GradMode, ParamMode, ShardConfig, optimizer_stage
 from .stage3 import runtime_for
 from .lowbit_store import LowBitStore
@@ -61,7 +61,7 @@ def owner_of(params):
 
 
 def sharding(units, zero_stage, process_group, bucket_cap_mb, overlap_comm, offload, overlap_param_gather,
-             align=None):
+             align=None, mesh=None, device_type="cpu"):
     """(Comm, ShardConfig) for the params: the units' own, or one from the arguments. align: the
     element multiple the state needs its shards in (int8 state: its blocks), or None."""
     if units:
@@ -89,8 +89,12 @@ def sharding(units, zero_stage, process_group, bucket_cap_mb, overlap_comm, offl
         if process_group is not None and process_group is not units[0].comm.group:
             raise ValueError("zerokern: FusedZeroAdam got another process_group than zerokern.shard(); pass it "
                              "to shard() only")
+        if mesh is not None and getattr(units[0].comm, "description", None) != describe(resolve_mesh(
+                mesh, process_group, device_type)):
+            raise ValueError("zerokern: FusedZeroAdam got another mesh than zerokern.shard(); pass it to shard() "
+                             "only")
         return units[0].comm, config
-    comm = make_comm(process_group)
+    comm = comm_for(process_group, mesh, device_type)
     stage = optimizer_stage(zero_stage, comm.world_size)
     return comm, ShardConfig(stage, 25.0 if bucket_cap_mb is None else bucket_cap_mb,
                              True if overlap_comm is None else overlap_comm, offload,
@@ -101,7 +105,7 @@ def sharding(units, zero_stage, process_group, bucket_cap_mb, overlap_comm, offl
 class ZeroEngine:
     def __init__(self, optimizer, groups, names, *, zero_stage=None, process_group=None, bucket_cap_mb=None,
                  overlap_comm=None, offload=None, overlap_param_gather=None, state_keys=("exp_avg", "exp_avg_sq"),
-                 what="FusedZeroAdam", options="", state=None):
+                 what="FusedZeroAdam", options="", state=None, mesh=None):
         """groups: the param groups' param lists (validated); names: {param: name} where known.
         state_keys: the state tensors each store keeps per shard (the optimizer's own). state: a
         StatePolicy (lowbit_store.py) for low-bit state or params without masters, else None."""
@@ -113,7 +117,8 @@ class ZeroEngine:
         owned = list({id(u): u for u in (unit_of(p) for p in self.trainable) if u is not None}.values())
         loose = [p for p in self.trainable if unit_of(p) is None]
         self.comm, config = sharding(owned, zero_stage, process_group, bucket_cap_mb, overlap_comm, offload,
-                                     overlap_param_gather, state.align if state is not None else None)
+                                     overlap_param_gather, state.align if state is not None else None, mesh,
+                                     self.trainable[0].device.type if self.trainable else "cpu")
         self.zero_stage = config.stage  # as given; what it means is self.strategy
         self.strategy = strategy = config.strategy(self.comm.world_size)
         index = {p: k for k, p in enumerate(all_params)}
@@ -438,7 +443,8 @@ class ZeroEngine:
         if norm_type == float("inf"):
             total = torch.stack(torch._foreach_norm(shards, norm_type, dtype=torch.float32)).max()
             if sharded:
-                self.comm.wait(self.comm.all_reduce(total, op=torch.distributed.ReduceOp.MAX, name="grad_norm"))
+                # the shards of one shard group cover every element once (replicas hold the same)
+                self.comm.wait(self.comm.shards.all_reduce(total, op=torch.distributed.ReduceOp.MAX, name="grad_norm"))
             return total
         # One fp32 norm over a bucket of millions of elements loses about 1e-4 (relative) on a CPU,
         # which clipping then carries into every step; norms of NORM_CHUNK-element pieces, summed
@@ -447,7 +453,7 @@ class ZeroEngine:
         norms = torch.stack(torch._foreach_norm(pieces, norm_type, dtype=torch.float32))  # one call
         total = norms.double().pow(norm_type).sum()
         if sharded:
-            self.comm.wait(self.comm.all_reduce(total, name="grad_norm"))
+            self.comm.wait(self.comm.shards.all_reduce(total, name="grad_norm"))
         return total.pow(1.0 / norm_type).float()
 
     def _agree(self, found_inf, grad_scale=None):

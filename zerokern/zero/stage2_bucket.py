@@ -146,7 +146,7 @@ class ReleasingGradBucket(GradBucket):
         name = self.name
         if self.comm.prefers_all_reduce:
             self._scratch = full[self._range[0]:self._range[1]]
-            self.work = self.comm.all_reduce(full, name=f"all_reduce[{name}]")
+            self.work = self.comm.all_reduce(full, name=f"all_reduce[{name}]", across=self._scratch)
         else:
             self._scratch = torch.empty_like(self.shard) if self.has_reduced else self.shard
             self.work = self.comm.reduce_scatter(self._scratch, full, name=f"reduce_scatter[{name}]")
@@ -161,11 +161,11 @@ class ReleasingGradBucket(GradBucket):
         self.work = None
         result, self._scratch = self._scratch, None
         if self.has_reduced:
-            self.shard.add_(result.div_(self.comm.world_size))
+            self.shard.add_(result.div_(self.comm.dp_size))
         elif result is self.shard:
-            self.shard.div_(self.comm.world_size)
+            self.shard.div_(self.comm.dp_size)
         else:
-            torch.div(result, self.comm.world_size, out=self.shard)
+            torch.div(result, self.comm.dp_size, out=self.shard)
         self.has_reduced = True
         self.state = BucketState.REDUCED
         self._free_full()

@@ -78,13 +78,13 @@ class NetBed:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # takes its veth pair along
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
 
-    def torchrun(self, host, nproc, script, rdzv_port=29400, job="zk"):
+    def torchrun(self, host, nproc, script, rdzv_port=29400, job="zk", restarts=0):
         """The command that starts host `host`'s part of a --nnodes job (c10d rendezvous hosted by
-        host 0; --local-addr, as the namespaces share one hostname)."""
+        host 0; --local-addr, as the namespaces share one hostname; --max-restarts=restarts)."""
         import sys
 
         return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.hosts}", f"--node-rank={host}",
-                f"--nproc_per_node={nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint={self.addr[0]}:{rdzv_port}",
+                f"--nproc_per_node={nproc}", f"--max-restarts={restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint={self.addr[0]}:{rdzv_port}",
                 f"--rdzv-id={job}", f"--local-addr={self.addr[host]}",
                 f"--rdzv-conf=is_host={'true' if host == 0 else 'false'},join_timeout=60", *script]
 

@@ -120,9 +120,7 @@ def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket
                          reshard_after_forward=reshard_after_forward, **({} if align is None else {"align": align}))
     if init is not None and not callable(init):
         raise TypeError(f"init must be a callable taking the module, got {type(init).__name__}")
-    on_cuda = any(p.is_cuda for p in module.parameters()) or (device is not None and torch.device(device).type
-                                                               == "cuda")
-    comm = comm_for(process_group, mesh, "cuda" if on_cuda else "cpu")
+    comm = comm_for(process_group, mesh, _device_type(module, device))
     strategy = config.strategy(comm.world_size)
     if strategy.materializes_meta:
         if device is None:
@@ -234,6 +232,17 @@ def full_state_dict(model: torch.nn.Module, *, rank0_only: bool = True, device="
         else:
             out[k] = v.to(device, copy=True) if isinstance(v, torch.Tensor) else v
     return out
+
+
+def _device_type(module, device) -> str:
+    """Where the module's params are, or will be materialised (a meta module at stage 3): the
+    device type a mesh is built for."""
+    if device is not None:
+        return torch.device(device).type
+    types = {p.device.type for p in module.parameters()}
+    if "cuda" in types or ("meta" in types and torch.cuda.is_available()):
+        return "cuda"
+    return "cpu"
 
 
 def _inner_params(module):

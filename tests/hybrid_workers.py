@@ -41,7 +41,7 @@ def _build(stage, mesh, optimizer="fused", cap=1e-4):
         for b in model.blocks:
             zerokern.shard(b, stage=3, bucket_cap_mb=cap, mesh=mesh)
         zerokern.shard(model, stage=3, bucket_cap_mb=cap, mesh=mesh)
-        kw = {}
+        kw = dict(mesh=mesh)  # the units' mesh again: accepted (another one would be refused)
     else:
         kw = dict(zero_stage=stage, bucket_cap_mb=cap, mesh=mesh)
     if optimizer == "sgd":

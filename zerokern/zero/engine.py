@@ -25,7 +25,7 @@ from . import ddp_guard
 from .api import make_unit, unit_of
 from .param_gather import GatherAfterStep
 from .schedule import ReduceSchedule
-from .hybrid_comm import comm_for, describe, resolve_mesh
+from .hybrid_comm import comm_for, resolve_mesh
 from .stage import GradMode, ParamMode, ShardConfig, optimizer_stage
 from .stage3 import runtime_for
 from .lowbit_store import LowBitStore
@@ -89,8 +89,8 @@ def sharding(units, zero_stage, process_group, bucket_cap_mb, overlap_comm, offl
         if process_group is not None and process_group is not units[0].comm.group:
             raise ValueError("zerokern: FusedZeroAdam got another process_group than zerokern.shard(); pass it "
                              "to shard() only")
-        if mesh is not None and getattr(units[0].comm, "description", None) != describe(resolve_mesh(
-                mesh, process_group, device_type)):
+        if mesh is not None and resolve_mesh(mesh, process_group, device_type).get_group("shard") is not \
+                units[0].comm.group:
             raise ValueError("zerokern: FusedZeroAdam got another mesh than zerokern.shard(); pass it to shard() "
                              "only")
         return units[0].comm, config

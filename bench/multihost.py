@@ -33,18 +33,29 @@ VARIANTS = {"zerokern ZeRO-2": ["--zero-stage", "2"], "zerokern ZeRO-3": ["--zer
             "zerokern hybrid ZeRO-2": ["--zero-stage", "2", "--mesh", "2,2"],
             "zerokern hybrid ZeRO-3": ["--zero-stage", "3", "--mesh", "2,2"],
             "torch FSDP2 HSDP": ["--optimizer", "fsdp2", "--mesh", "2,2"],
-            "torch DDP + AdamW": ["--optimizer", "torch"]}
+            "torch DDP + AdamW": ["--optimizer", "torch"],
+            # examples/train_gpt_deepspeed.py (DeepSpeed's ZeRO with zerokern.FusedAdam as its optimizer)
+            "DeepSpeed ZeRO-2": ["--zero-stage", "2"],
+            "DeepSpeed ZeRO-3 hpZ=2": ["--zero-stage", "3", "--hpz", "2"]}
+DEEPSPEED = {"DeepSpeed ZeRO-2", "DeepSpeed ZeRO-3 hpZ=2"}
 # which of the planner's counts a row is: (stage, hybrid)
 PLANNED = {"zerokern ZeRO-2": (2, False), "zerokern ZeRO-3": (3, False), "zerokern hybrid ZeRO-2": (2, True),
-           "zerokern hybrid ZeRO-3": (3, True), "torch FSDP2 HSDP": (3, True), "torch DDP + AdamW": (0, False)}
+           "zerokern hybrid ZeRO-3": (3, True), "torch FSDP2 HSDP": (3, True), "torch DDP + AdamW": (0, False),
+           # hpZ gathers the params for backward within a host, for forward over all ranks, and
+           # reduce-scatters the grads over all ranks: two flat collectives, as ZeRO-2
+           "DeepSpeed ZeRO-2": (2, False), "DeepSpeed ZeRO-3 hpZ=2": (2, False)}
 
 
 def run(bed, name, model_args, steps, tmp, job):
     """One run of a variant on the bed: (rank 0's log, bytes both hosts sent)."""
     log = os.path.join(tmp, f"{job}.json")
-    script = [os.path.join(ROOT, "examples", "train_gpt.py"), *model_args, *VARIANTS[name], "--steps", str(steps),
-              "--log-every", "1000", "--log-json", log]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if name in DEEPSPEED:
+        example = ["train_gpt_deepspeed.py", "--deepspeed_config", os.path.join(ROOT, "examples", "ds_config.json")]
+    else:
+        example = ["train_gpt.py"]
+    script = [os.path.join(ROOT, "examples", example[0]), *example[1:], *model_args, *VARIANTS[name], "--steps",
+              str(steps), "--log-every", "1000", "--log-json", log]
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     before = sum(bed.tx_bytes(h) for h in range(bed.hosts))
     procs = [bed.popen(h, bed.torchrun(h, 2, script, job=job), env=env, stdout=subprocess.PIPE,
                        stderr=subprocess.STDOUT, text=True) for h in range(bed.hosts)]

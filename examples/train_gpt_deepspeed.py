@@ -8,8 +8,13 @@ DeepSpeed does the ZeRO partitioning, reduction and clipping; FusedAdam is the
 fused update it calls on its fp32 partitions. For CPU offload add
 "offload_optimizer": {"device": "cpu"} and "zero_force_ds_cpu_optimizer": false
 to the config's zero_optimization / top level: zerokern's CPU kernel then
-replaces DeepSpeedCPUAdam.
+replaces DeepSpeedCPUAdam. bench/multihost.py runs it under torchrun on the namespaced hosts
+with the bench's model (--d-model, --layers, ...), --zero-stage and --hpz (ZeRO++'s hpZ: stage 3
+params kept sharded within groups of that many ranks), logging per-step seconds (--log-json).
 """
+
+import json
+import time
 
 import argparse
 import os
@@ -31,26 +36,53 @@ def main():
     ap.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--vocab", type=int, default=96)
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--ctx", type=int, default=64)
+    ap.add_argument("--batch", type=int, help="global batch (default: the config's micro batch x world)")
+    ap.add_argument("--zero-stage", type=int, help="overrides the config's zero_optimization.stage")
+    ap.add_argument("--hpz", type=int, default=1, help="ZeRO++ hpZ partition size (stage 3)")
+    ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--log-json", help="per-step seconds and losses (rank 0)")
     ap = deepspeed.add_config_arguments(ap)
     args = ap.parse_args()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    with open(args.deepspeed_config) as f:
+        config = json.load(f)
+    if args.batch is not None:
+        config["train_micro_batch_size_per_gpu"] = args.batch // world
+    if args.zero_stage is not None:
+        config["zero_optimization"]["stage"] = args.zero_stage
+    if args.hpz > 1:
+        config["zero_optimization"]["zero_hpz_partition_size"] = args.hpz
+    args.deepspeed_config = None
 
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     register()  # FusedAdam joins ZeRO's supported optimizers: no "zero_allow_untested_optimizer" needed
     torch.manual_seed(0)
-    model = GPT(vocab=96, d=128, heads=4, layers=2, ctx=64)
+    model = GPT(vocab=args.vocab, d=args.d_model, heads=args.heads, layers=args.layers, ctx=args.ctx)
     optimizer = FusedAdam(model.parameters(), lr=args.lr, weight_decay=0.01)
-    engine, optimizer, _, _ = deepspeed.initialize(args=args, model=model, optimizer=optimizer)
+    engine, optimizer, _, _ = deepspeed.initialize(args=args, model=model, optimizer=optimizer, config=config)
     rank, world = engine.global_rank, engine.world_size
     per = engine.train_micro_batch_size_per_gpu()
-    for step, (x, y) in enumerate(markov_batches(96, 64, per * world, args.steps)):
+    losses, seconds = [], []
+    for step, (x, y) in enumerate(markov_batches(args.vocab, args.ctx, per * world, args.steps)):
         x, y = x[rank * per:(rank + 1) * per].to(engine.device), y[rank * per:(rank + 1) * per].to(engine.device)
+        began = time.perf_counter()
         loss = F.cross_entropy(engine(x).float().flatten(0, 1), y.flatten())
         engine.backward(loss)
         engine.step()
-        if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
+        seconds.append(time.perf_counter() - began)
+        losses.append(loss.item())
+        if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             print(f"step {step:4d}  loss {loss.item():.4f}  ({type(engine.optimizer).__name__} over "
                   f"{type(engine.optimizer.optimizer).__name__ if hasattr(engine.optimizer, 'optimizer') else ''})",
                   flush=True)
+    if rank == 0 and args.log_json:
+        with open(args.log_json, "w") as f:
+            json.dump({"world": world, "losses": losses, "step_seconds": seconds, "counted_inter_host_bytes": None}, f)
 
 
 if __name__ == "__main__":

@@ -140,3 +140,18 @@ def bad_mesh(rank, world, case):
     except (ValueError, TypeError, RuntimeError) as e:
         return f"{type(e).__name__}: {e}"
     return None
+
+
+def one_rank_raises(rank, world, mesh):
+    """Rank 1 reads a stage-3 param outside its unit's forward at step 1 (refused on that rank
+    only) and leaves; the others must raise too, not wait or fail with a bare socket error."""
+    torch.set_num_threads(1)
+    model, opt = _build(3, mesh)
+    for step, x in enumerate(_data(world)):
+        opt.zero_grad()
+        loss = model(x[2 * rank:2 * rank + 2])
+        if rank == 1 and step == 1:
+            loss = loss + model.blocks[0].weight.sum()
+        loss.backward()
+        opt.step()
+    return "finished"

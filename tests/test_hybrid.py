@@ -62,3 +62,14 @@ def test_bad_mesh_raises_on_every_rank(case, expect):
     errors = dist_harness.values(dist_harness.run(W.bad_mesh, 4, case, timeout=120))
     for rank, e in enumerate(errors):
         assert e is not None and expect in e, (rank, e)
+
+
+def test_a_rank_that_raises_makes_every_rank_raise():
+    """Every survivor raises RankLost, also one whose replica all-reduce was already launched when
+    the peer went (that one used to get gloo's bare "Connection closed by peer")."""
+    results = dist_harness.run(W.one_rank_raises, 4, (2, 2), timeout=120)
+    assert all(status == "error" for status, _ in results), results
+    assert "used (sum) outside its unit's forward" in results[1][1]
+    for rank in (0, 2, 3):
+        assert results[rank][1].startswith("RankLost:") and "another rank is gone" in results[rank][1], \
+            (rank, results[rank][1][:300])

@@ -94,10 +94,11 @@ _HINT = ("Every rank must make the same zerokern calls and run the same units, i
 class _Queued:
     """A collective the check's thread launches once every rank announced it; Work-like."""
 
-    def __init__(self):
+    def __init__(self, rank=None, what=""):
         self._ready = threading.Event()
         self._work = None
         self._error = None
+        self._rank, self._what = rank, what
 
     def _launched(self, work) -> None:
         self._work = work
@@ -111,7 +112,16 @@ class _Queued:
         self._ready.wait()
         if self._error is not None:
             raise type(self._error)(*self._error.args)
-        return self._work.wait()
+        try:
+            return self._work.wait()
+        except RuntimeError as e:  # announced and launched, then a peer vanished mid-transfer
+            if any(g in str(e) for g in _GONE):
+                raise RankLost(
+                    f"zerokern (rank {self._rank}): another rank is gone during {self._what} "
+                    f"({str(e).splitlines()[0][:160]}): it exited, crashed or was killed; its own log says why. "
+                    "Every rank stops here rather than wait. To go on, restart all ranks from your last "
+                    "checkpoint (torchrun --max-restarts does, and DCP loads at any world size).") from None
+            raise
 
     def is_completed(self) -> bool:
         return self._ready.is_set() and (self._error is not None or self._work.is_completed())
@@ -153,7 +163,7 @@ class CollectiveCheck:
             mark.record(torch.cuda.current_stream(device))
         elif torch.cuda.is_initialized():  # the current device is per thread (NCCL's object gathers use it)
             device = torch.device("cuda", torch.cuda.current_device())
-        queued = _Queued()
+        queued = _Queued(self.rank, f"#{self.seq} {what}")
         self._queue.put((self.seq, what, name, launch, device, mark, queued))
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=f"zerokern-collectives-{id(self)}", daemon=True)

@@ -91,6 +91,18 @@ class SimComm:
         return self.inner.prefers_all_reduce
 
     @property
+    def dp_size(self):
+        return self.inner.dp_size
+
+    @property
+    def leads(self):
+        return self.inner.leads
+
+    @property
+    def shards(self):
+        return self
+
+    @property
     def wait_seconds(self):
         return sum(self.wait_by_kind.values())
 
@@ -110,8 +122,8 @@ class SimComm:
     def reduce_scatter(self, output, input, name="reduce_scatter"):
         return self._delay(self.inner.reduce_scatter(output, input, name), input, name)
 
-    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, name="all_reduce"):
-        return self._delay(self.inner.all_reduce(tensor, op, name), tensor, name)
+    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, name="all_reduce", across=None):
+        return self._delay(self.inner.all_reduce(tensor, op, name, across), tensor, name)
 
     def all_gather(self, output, input, name="all_gather"):
         return self._delay(self.inner.all_gather(output, input, name), output, name)

@@ -91,6 +91,14 @@ _HINT = ("Every rank must make the same zerokern calls and run the same units, i
          "result on rank 0), and pass synced_gpus=True to generate().")
 
 
+def _rank_lost(rank, when, error) -> RankLost:
+    """The error for a peer whose connection went away (it exited, crashed or was killed)."""
+    return RankLost(
+        f"zerokern (rank {rank}): another rank is gone {when} ({str(error).splitlines()[0][:160]}): it exited, "
+        "crashed or was killed; its own log says why. Every rank stops here rather than wait. To go on, restart "
+        "all ranks from your last checkpoint (torchrun --max-restarts does, and DCP loads at any world size).")
+
+
 class _Queued:
     """A collective the check's thread launches once every rank announced it; Work-like."""
 
@@ -116,11 +124,7 @@ class _Queued:
             return self._work.wait()
         except RuntimeError as e:  # announced and launched, then a peer vanished mid-transfer
             if any(g in str(e) for g in _GONE):
-                raise RankLost(
-                    f"zerokern (rank {self._rank}): another rank is gone during {self._what} "
-                    f"({str(e).splitlines()[0][:160]}): it exited, crashed or was killed; its own log says why. "
-                    "Every rank stops here rather than wait. To go on, restart all ranks from your last "
-                    "checkpoint (torchrun --max-restarts does, and DCP loads at any world size).") from None
+                raise _rank_lost(self._rank, f"during {self._what}", e) from None
             raise
 
     def is_completed(self) -> bool:
@@ -218,11 +222,7 @@ class CollectiveCheck:
         except RuntimeError as e:
             cause = str(e).splitlines()[0][:160]
             if any(g in str(e) for g in _GONE):
-                raise RankLost(
-                    f"zerokern (rank {self.rank}): another rank is gone while this one waited for #{seq} {what} "
-                    f"({cause}): it exited, crashed or was killed; its own log says why. Every rank stops here "
-                    f"rather than wait. To go on, restart all ranks from your last checkpoint (torchrun "
-                    f"--max-restarts does, and DCP loads at any world size).") from None
+                raise _rank_lost(self.rank, f"while this one waited for #{seq} {what}", e) from None
             raise CollectiveMismatch(
                 f"zerokern (rank {self.rank}): waiting for the other ranks to reach #{seq} {what} failed "
                 f"({cause}): a rank stopped, raised, or waits elsewhere (timeout "

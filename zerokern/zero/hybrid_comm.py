@@ -65,8 +65,7 @@ def resolve_mesh(mesh, process_group, device_type: str):
         r, s = mesh
         if r < 1 or s < 1 or r * s != world:
             raise ValueError(f"zerokern: mesh=({r}, {s}) (replicate, shard) has {r * s} ranks, but the world has "
-                             f"{world}: the sizes must multiply to the world size (e.g. ({world // max(s, 1) or 1}, "
-                             f"{s}) for {s} ranks per host)")
+                             f"{world}: the sizes must multiply to the world size (hosts x ranks per host)")
         key = (device_type, r, s, id(dist.distributed_c10d._get_default_group()))
         if key not in _MESHES:
             from torch.distributed.device_mesh import init_device_mesh
@@ -117,7 +116,7 @@ class HybridComm:
 
     @property
     def wait_seconds(self) -> float:
-        return self.shards.wait_seconds + self.replicas.wait_seconds
+        return self.shards.wait_seconds  # wait() below adds every wait there
 
     def _across(self, first, part, name):
         """`first` (a shard-group collective whose result is `part`), then `part` summed across the replicas."""

@@ -18,7 +18,7 @@ needs = {"zerokern.integrations.deepspeed": "deepspeed", "zerokern.integrations.
 names = [m.name for m in pkgutil.walk_packages(zerokern.__path__, "zerokern.")
          if not m.name.endswith("__main__")]  # a CLI entry point runs when imported
 for name in ("zerokern.integrations.hf", "zerokern.integrations.accelerate", "zerokern.integrations.dcp",
-             "zerokern.integrations.deepspeed", "zerokern.zero.checkpoint", "zerokern.optim.grad_scaler"):
+             "zerokern.integrations.deepspeed", "zerokern.optim.state_dict", "zerokern.optim.grad_scaler"):
     assert name in names, f"{name} is not in the wheel"
 imported = []
 for name in names:

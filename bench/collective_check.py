@@ -1,5 +1,5 @@
 """What announcing every collective costs ([Note: announced collectives] in
-zerokern/zero/collective_check.py), on 2 gloo ranks of this machine.
+zerokern/zero/comm/check.py), on 2 gloo ranks of this machine.
 
     python bench/collective_check.py [--rounds 15] [--json out.json]
 
@@ -45,8 +45,9 @@ def _rank(rank, world, tmp, rounds, out_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
     import gc
 
-    from zerokern.zero import collective_check
-    from zerokern.zero.comm import Comm, make_comm
+    from zerokern.zero.comm import check as collective_check
+    from zerokern.zero.comm.base import Comm
+    from zerokern.zero.comm.factory import make_comm
     models = {s: _model(s) for s in (2, 3)}
     comm = make_comm()
     x = torch.randn(32, 256)

@@ -78,7 +78,8 @@ class SimComm:
 
     def __init__(self, comm, link):
         self.inner, self.link = comm, link
-        self.world_size, self.rank, self.group = comm.world_size, comm.rank, comm.group
+        self.world_size, self.rank, self.group, self.check = comm.world_size, comm.rank, comm.group, comm.check
+        self.exchange_reduce, self.broadcast_gather = comm.exchange_reduce, comm.broadcast_gather
         self.wait_by_kind = {"grads": 0.0, "params": 0.0, "other": 0.0}
         self.link_time_by_kind = {"grads": 0.0, "params": 0.0, "other": 0.0}
 
@@ -133,8 +134,18 @@ class SimComm:
         work.wait()
         self.wait_by_kind[getattr(work, "kind", "other")] += time.perf_counter() - t0
 
-    def gather_objects(self, obj):
-        return self.inner.gather_objects(obj)
+    # set-up and agreement collectives: not what the simulated link is about, so at full speed
+    def broadcast(self, tensor, src_rank=0, name="broadcast"):
+        return self.inner.broadcast(tensor, src_rank, name)
+
+    def broadcast_from_first(self, tensors, name="broadcast_params"):
+        self.inner.broadcast_from_first(tensors, name)
+
+    def differing(self, mine, what):
+        return self.inner.differing(mine, what)
+
+    def gather_objects(self, obj, name="gather_objects"):
+        return self.inner.gather_objects(obj, name)
 
 
 CONFIGS = {"overlap": (True, False), "overlap+gather": (True, True), "no_overlap": (False, False)}

@@ -47,7 +47,7 @@ be seen). On a GPU, torch.cuda.max_memory_allocated() per variant is reported to
 
 --collectives times gloo's all_reduce, reduce_scatter and all_gather of the
 model's gradient size, which is what [Note: the collective for the backend]
-in zerokern/zero/comm.py rests on.
+in zerokern/zero/comm/base.py rests on.
 """
 
 import argparse
@@ -213,7 +213,7 @@ def available(kinds):
 
 def collectives(rank, world, numel, rounds):
     """Seconds of gloo's collectives on a buffer of `numel` fp32 elements."""
-    from zerokern.zero.comm import make_comm
+    from zerokern.zero.comm.factory import make_comm
 
     comm = make_comm()
     full = torch.randn(numel)
@@ -223,7 +223,7 @@ def collectives(rank, world, numel, rounds):
     fns = {"all_reduce": lambda: dist.all_reduce(full),
            "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full[:shard.numel() * world]),
            "all_gather": lambda: dist.all_gather_into_tensor(full[:shard.numel() * world], shard),
-           # what zerokern does on gloo ([Note: the collective for the backend] in zerokern/zero/gloo_comm.py)
+           # what zerokern does on gloo ([Note: the collective for the backend] in zerokern/zero/comm/gloo.py)
            "all_gather_as_broadcasts": lambda: comm.wait(comm.all_gather(gathered, gathered[own])),
            "reduce_scatter_as_exchange" if world == 2 else "reduce_scatter_zerokern":
                lambda: comm.wait(comm.reduce_scatter(shard, full[:shard.numel() * world]))}

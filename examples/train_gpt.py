@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 import zerokern
 from zerokern import FusedZeroAdam
-from zerokern.zero import exit_drain
+from zerokern.zero.comm import exit_drain
 
 
 class Block(nn.Module):

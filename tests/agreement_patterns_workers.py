@@ -1,6 +1,6 @@
 """Per-rank bodies of test_agreement_patterns.py: ranks that leave the common path (a unit one
 rank skips, an exception one rank catches, a collective on rank 0 only) must all raise, never
-hang, abort or train on ([Note: announced collectives] in zerokern/zero/collective_check.py)."""
+hang, abort or train on ([Note: announced collectives] in zerokern/zero/comm/check.py)."""
 
 import os
 import time
@@ -10,7 +10,7 @@ import torch.nn as nn
 
 import zerokern
 from zerokern import FusedZeroAdam
-from zerokern.zero.collective_check import CollectiveMismatch
+from zerokern.zero.comm.check import CollectiveMismatch
 
 
 class Flaky(nn.Linear):

@@ -237,7 +237,7 @@ def released_buffers_die(rank, world):
             "grads_bytes": opt.memory_report()["grads"], "shard_bytes": sum(
                 b.shard.numel() * b.shard.element_size() for b in opt.schedule.buckets if b.shard is not None),
             # torch keeps each grad after step(); at stage 2 it is a placeholder without storage
-            # ([Note: grads after step] in zerokern/zero/sharded_grad.py)
+            # ([Note: grads after step] in zerokern/zero/grads/placeholder.py)
             "grad_none": all(p.grad is None or (type(p.grad).__name__ == "ShardedGrad" and p.grad.kind == "consumed")
                              for p in model.parameters())}
 

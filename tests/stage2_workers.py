@@ -8,8 +8,8 @@ import torch
 from regression_workers import RandomNet
 from runtime_workers import gpt, gpt_loss, mine, reference_step, tokens
 from zerokern import FusedZeroAdam
-from zerokern.zero.sharded_grad import ShardedGrad
-from zerokern.zero.stage2_bucket import IN_FLIGHT_BUCKETS
+from zerokern.zero.grads.placeholder import ShardedGrad
+from zerokern.zero.grads.released import IN_FLIGHT_BUCKETS
 from numerics import abs_diff
 
 
@@ -176,7 +176,7 @@ def gather_bits(rank, world):
     torch's all_gather_into_tensor, bit for bit: -0.0, NaN payloads, infs, subnormals, randoms."""
     import torch.distributed as dist
 
-    from zerokern.zero.comm import make_comm
+    from zerokern.zero.comm.factory import make_comm
 
     comm = make_comm()
     probe = torch.empty(4 * world)
@@ -203,7 +203,7 @@ def exchange_bits(rank, world):
     reduce_scatter_tensor, bit for bit, with the input left as it was."""
     import torch.distributed as dist
 
-    from zerokern.zero.comm import make_comm
+    from zerokern.zero.comm.factory import make_comm
 
     comm = make_comm()
     out = {"exchanged": comm.exchange_reduce, "input_kept": True}

@@ -125,7 +125,7 @@ def hf_generate_at_stage3(rank, world, synced):
     synced_gpus on); False: the caller's choice kept, so the ranks' gathers part ways."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from zerokern.zero.collective_check import CollectiveMismatch
+    from zerokern.zero.comm.check import CollectiveMismatch
     import os
     os.environ["ZEROKERN_COLLECTIVE_TIMEOUT"] = "30"
     torch.manual_seed(0)

@@ -1,5 +1,5 @@
 """Rank functions for tests/test_stage3.py: params sharded too, gathered unit by unit for the
-forward and backward ([Note: stage-3 params] in zerokern/zero/stage3.py)."""
+forward and backward ([Note: stage-3 params] in zerokern/zero/params/per_unit.py)."""
 
 import gc
 
@@ -9,7 +9,7 @@ from torch.utils.checkpoint import checkpoint
 import zerokern
 from numerics import abs_diff
 from param_gather_workers import BATCH, V, TinyGPT, _data
-from zerokern.zero.states import ParamState
+from zerokern.zero.core.states import ParamState
 
 
 class CkptGPT(TinyGPT):
@@ -456,3 +456,43 @@ def dropped_model_is_freed(rank, world):
     del model, opt
     gc.collect()
     return [r() is None for r in refs]
+
+
+def two_models(rank, world, steps=4, interleaved=False):
+    """Two stage-3 models on one process group, each with its own optimizer, trained in turn
+    (interleaved: both forwards before either backward), each against its own one-process AdamW."""
+    nets, refs = [], []
+    for seed, layers in ((0, 2), (1, 3)):
+        torch.manual_seed(seed)
+        ref = CkptGPT(layers)
+        refs.append((ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)))
+        torch.manual_seed(seed)
+        model = CkptGPT(layers)
+        for b in model.blocks:
+            zerokern.shard(b, stage=3, bucket_cap_mb=0.002)
+        zerokern.shard(model, stage=3, bucket_cap_mb=0.002)
+        nets.append((model, zerokern.FusedZeroAdam(model.parameters(), lr=1e-2, weight_decay=0.01)))
+    for step in range(steps):
+        idx = _data(step, world)
+        mine = idx[rank * BATCH:(rank + 1) * BATCH]
+        for o in (o for _, o in nets):
+            o.zero_grad()
+        if interleaved:
+            losses = [_loss(m, mine) for m, _ in nets]
+            for loss in losses:
+                loss.backward()
+            for _, o in nets:
+                o.step()
+        else:
+            for m, o in nets:
+                _loss(m, mine).backward()
+                o.step()
+        for ref, ref_opt in refs:
+            ref_opt.zero_grad()
+            _loss(ref, idx).backward()
+            ref_opt.step()
+    diffs = []
+    for (model, opt), (ref, _) in zip(nets, refs):
+        full = _full_params(model, opt)
+        diffs.append(max(abs_diff(full[k], v) for k, v in ref.named_parameters()))
+    return diffs

@@ -51,7 +51,7 @@ def test_full_state_dict_on_rank0_only_is_refused_and_corrupts_nothing():
 
 
 def test_the_collective_timeout_is_validated(monkeypatch):
-    from zerokern.zero import collective_check
+    from zerokern.zero.comm import check as collective_check
     for bad in ("abc", "0", "-5"):
         monkeypatch.setenv("ZEROKERN_COLLECTIVE_TIMEOUT", bad)
         with pytest.raises(ValueError, match="ZEROKERN_COLLECTIVE_TIMEOUT"):

@@ -1,7 +1,7 @@
 """A FusedZeroAdam-trained model wrapped in torch's DistributedDataParallel: DDP's reducer would
 write its all-reduce into zerokern's gradient buckets, so every rank raises one error that names
 the fix (ZeroTrainer, attach(accelerator), or no wrap; [Note: DDP wrap] in
-zerokern/zero/ddp_guard.py). On 2 gloo ranks: plain loops (dist_harness), a plain
+zerokern/zero/grads/ddp_guard.py). On 2 gloo ranks: plain loops (dist_harness), a plain
 transformers.Trainer and a plain Accelerator (torchrun)."""
 
 import pytest

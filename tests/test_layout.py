@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zerokern.zero.storage import FlatBuffers
-from zerokern.zero.layout import plan_layout
+from zerokern.zero.params.storage import FlatBuffers
+from zerokern.zero.core.layout import plan_layout
 
 numels = st.lists(st.integers(min_value=0, max_value=3000), min_size=0, max_size=40)
 

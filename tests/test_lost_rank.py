@@ -70,7 +70,7 @@ def test_restarted_worker_group_failure_names_the_store_fix(monkeypatch):
     """pytorch/pytorch#135712 (a restart reading the last attempt's addresses from the store torchrun
     shares) is not reproducible on demand, so the failure is made here: on a restarted worker,
     zerokern's group creation says what to set; on a first attempt the error passes as it is."""
-    from zerokern.zero import collective_check as cc
+    from zerokern.zero.comm import check as cc
 
     def refused(*args, **kwargs):
         raise RuntimeError("Gloo connectFullMesh failed with ... Connection refused, remote=[127.0.0.1]:54173$1")

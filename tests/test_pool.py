@@ -1,8 +1,8 @@
-"""GradBufferPool ([Note: what the pool keeps] in zerokern/zero/pool.py), on its own."""
+"""GradBufferPool ([Note: what the pool keeps] in zerokern/zero/grads/pool.py), on its own."""
 
 import torch
 
-from zerokern.zero.pool import GradBufferPool
+from zerokern.zero.grads.pool import GradBufferPool
 
 F32, CPU = torch.float32, torch.device("cpu")
 

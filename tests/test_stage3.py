@@ -204,3 +204,11 @@ def test_a_rank_that_skips_a_shard_call_raises_on_every_rank():
     for r in dist_harness.values(dist_harness.run(W.skipped_shard, 2, timeout=120)):
         assert r and "the ranks are at different calls" in r, r
         assert "rank 0 in zerokern.shard(Linear, stage=3)" in r and "rank 1 in zerokern.shard(Sequential, stage=3)" in r, r
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_two_models_on_one_group_train_as_their_own_adamw(interleaved):
+    """Each model's units keep their own forward order and prefetch, though both shard over one
+    process group (fp32: the reductions' order is the only difference from one process)."""
+    for diffs in dist_harness.values(dist_harness.run(W.two_models, 2, 4, interleaved, timeout=300)):
+        assert max(diffs) < 2e-5, diffs

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.protocol import _validate_checkpointable_tenso
 
 import dist_harness
 import stage3_ckpt_workers as W
-from zerokern.zero import model_state
+from zerokern.zero.params import model_state
 
 
 def _max_diff(a, b):

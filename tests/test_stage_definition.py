@@ -1,4 +1,4 @@
-"""The stage is a value read in one place (issue 25): zerokern/zero/stage.py turns (stage, world
+"""The stage is a value read in one place (issue 25): zerokern/zero/core/stage.py turns (stage, world
 size) into a Strategy; no other runtime file compares a stage number. The planner (zerokern/plan)
 models the stages themselves and is not runtime code."""
 
@@ -6,7 +6,7 @@ import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "zerokern"
-DEFINITION = ROOT / "zero" / "stage.py"
+DEFINITION = ROOT / "zero" / "core" / "core/stage.py"
 # a stage number compared or tested: `stage == 3`, `zero_stage in (1, 2)`, `config.stage >= 1`, ...
 READ = re.compile(r"\b(zero_)?stage\s*(==|!=|>=|<=|>|<|\bin\b|\bnot in\b)|(==|!=|>=|<=|>|<)\s*\w*\.?(zero_)?stage\b")
 
@@ -23,7 +23,7 @@ def test_only_the_stage_definition_reads_a_stage_number():
         for k, line in enumerate(path.read_text().splitlines(), 1):
             if READ.search(_code(line)):
                 offenders.append(f"{path.relative_to(ROOT.parent)}:{k}: {line.strip()}")
-    assert not offenders, "stage numbers read outside zerokern/zero/stage.py:\n" + "\n".join(offenders)
+    assert not offenders, "stage numbers read outside zerokern/zero/core/stage.py:\n" + "\n".join(offenders)
 
 
 def test_the_check_finds_a_stage_read():

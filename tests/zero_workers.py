@@ -175,7 +175,7 @@ def mismatched_params(rank, world):
 def step_after_destroy(rank, world):
     """A backward and a step after dist.destroy_process_group(): an error that says so.
     Also: whether building the optimizer installed the exit drain."""
-    from zerokern.zero import exit_drain
+    from zerokern.zero.comm import exit_drain
 
     model = make_model()
     opt = FusedZeroAdam(model.parameters(), lr=1e-2)

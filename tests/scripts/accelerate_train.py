@@ -10,7 +10,7 @@ import argparse
 import os
 
 import torch
-from zerokern.zero import exit_drain
+from zerokern.zero.comm import exit_drain
 import torch.distributed.checkpoint as dcp
 from accelerate import Accelerator
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,

@@ -9,7 +9,7 @@ import argparse
 import os
 
 import torch
-from zerokern.zero import exit_drain
+from zerokern.zero.comm import exit_drain
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 STEPS, SAVE_AT, ACCUM, GLOBAL_BATCH, SEQ = 20, 10, 2, 8, 16

@@ -52,8 +52,8 @@ import torch.distributed.checkpoint as dcp
 
 from ..zero.engine import owner_of
 from ..zero.api import full_state_dict
-from ..zero.checkpoint import FORMAT
-from ..zero.stage import ParamMode
+from ..optim.state_dict import FORMAT
+from ..zero.core.stage import ParamMode
 
 
 OPTIMIZER_DIR = "optimizer_zerokern"

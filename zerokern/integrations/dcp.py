@@ -5,7 +5,7 @@ torch's helpers, which work with FusedZeroAdam directly too:
 
     dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, ...)
 
-([Note: sharded state in checkpoints] in zerokern/zero/checkpoint.py says how.)
+([Note: sharded state in checkpoints] in zerokern/optim/state_dict.py says how.)
 Collective: call on every rank of the optimizer's process group.
 """
 

@@ -18,7 +18,7 @@ its own sharding and communication, which DeepSpeed already does.
 """
 
 from ..optim import FusedAdam
-from ..zero import exit_drain
+from ..zero.comm import exit_drain
 
 
 def register():
@@ -26,7 +26,7 @@ def register():
     "zero_allow_untested_optimizer" (DeepSpeed checks the exact type against
     deepspeed.runtime.zero.utils.ZERO_SUPPORTED_OPTIMIZERS). Idempotent.
     Also installs the exit drain for DeepSpeed's collectives ([Note: exit drain]
-    in zerokern/zero/exit_drain.py)."""
+    in zerokern/zero/comm/exit_drain.py)."""
     from deepspeed.runtime.zero import utils
 
     exit_drain.register()

@@ -37,7 +37,7 @@ from transformers import Trainer
 from ..optim import FusedZeroAdam
 from .accelerate import attach
 from .dcp import load_optimizer, save_optimizer
-from ..zero.stage import ParamMode
+from ..zero.core.stage import ParamMode
 
 OPTIMIZER_DIR = "optimizer_zerokern"
 SCHEDULER_NAME = "scheduler.pt"  # as transformers.trainer.SCHEDULER_NAME

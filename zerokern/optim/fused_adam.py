@@ -10,7 +10,7 @@ needs from a fast Adam.
 import torch
 
 from ..kernels.ops import fused_adam_
-from ..zero import exit_drain
+from ..zero.comm import exit_drain
 from .hyper import check_hyper as _check_hyper
 
 

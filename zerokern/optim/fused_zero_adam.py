@@ -15,12 +15,12 @@ import torch
 from ..kernels import lowbit
 from ..kernels.backends.registry import resolve
 from ..kernels.ops import fused_adam_
-from ..zero import checkpoint
+from . import state_dict as checkpoint
 from ..zero.engine import ZeroEngine, forward_order  # noqa: F401 (forward_order: tests)
 from .engine_optimizer import EngineOptimizer
 from .hyper import check_hyper
 from .lowbit_update import block_slice, check_lowbit_options, lowbit_update
-from ..zero.lowbit_store import StatePolicy
+from ..zero.state.lowbit_store import StatePolicy
 from .update_lists import UniformCalls, extend_calls
 from .zero_setup import validated_groups
 
@@ -45,7 +45,7 @@ class StepOptions:
 class FusedZeroAdam(EngineOptimizer):
     """Adam/AdamW with ZeRO stage 0/1/2/3 sharding and fused kernels (stage 3: params sharded
     with zerokern.shard(module, stage=3) on each block and the root; [Note: stage-3 params] in
-    zero/stage3.py).
+    zero/params/per_unit.py).
 
     FusedZeroAdam(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=None, *,
                   adam_w_mode=True, bias_correction=True, zero_stage=None, process_group=None,
@@ -75,20 +75,20 @@ class FusedZeroAdam(EngineOptimizer):
     several ranks each bucket's full gradient buffer is freed as soon as its
     reduction completes, so a rank holds its reduced shards plus a few buckets
     in backward (the planner allows 5) ([Note: stage-2 memory] in
-    zero/stage2_bucket.py). At stages 1/2 step() all-gathers the updated params;
+    zero/grads/released.py). At stages 1/2 step() all-gathers the updated params;
     with overlap_param_gather=True (zerokern.shard() units only) it returns
     before they arrive, and each unit waits for its params in its next forward
     (a module holding a param in its state_dict() and load_state_dict() too);
     code that reads params directly in between (an EMA, a copy) calls
     opt.finish_param_gather() first
-    ([Note: gather behind forward] in zero/param_gather.py).
+    ([Note: gather behind forward] in zero/params/gather.py).
 
     The params are moved into flat buckets: their .data becomes a view of a
     bucket (values unchanged) and their .grad a view of a gradient bucket that
     autograd accumulates into. After backward: at stage 0 .grad holds the
     averaged gradient, as DDP; at stage 1 on several ranks this rank's local
     (unreduced) gradient, and editing it between backward and step() raises
-    ([Note: the local grads are the truth] in zero/bucket.py); at stage 2 on
+    ([Note: the local grads are the truth] in zero/grads/bucket.py); at stage 2 on
     several ranks a zerokern ShardedGrad placeholder, which answers GradScaler,
     zeroes with zero_() and refuses reads and edits (torch's clip_grad_norm_)
     with an error naming the param ([Note: stage-2 .grad]); under no_sync() the
@@ -213,7 +213,7 @@ class FusedZeroAdam(EngineOptimizer):
         else:
             self._step_buffer += torch.tensor(had, dtype=torch.float32)
 
-    # --- state dicts (zero/checkpoint.py) ------------------------------------
+    # --- state dicts (optim/state_dict.py) ------------------------------------
 
     def state_dict(self):
         """This rank's shard in torch.optim.AdamW's format: per param, views of this rank's

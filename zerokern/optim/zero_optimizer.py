@@ -16,14 +16,14 @@ LBFGS) would not, and is refused.
 
 State: the inner optimizer's, per piece. state_dict() gives it keyed by the outer param index,
 each piece-sized tensor marked with where it lies in the flattened param (as FusedZeroAdam's:
-[Note: sharded state in checkpoints] in zero/checkpoint.py), so dcp.save / dcp.load re-shard it;
+[Note: sharded state in checkpoints] in optim/state_dict.py), so dcp.save / dcp.load re-shard it;
 load_state_dict takes such a dict, or whole (unsharded) tensors, e.g. the same torch optimizer's
 state dict on one process.
 """
 
 import torch
 
-from ..zero import checkpoint
+from . import state_dict as checkpoint
 from ..zero.engine import ZeroEngine
 from .engine_optimizer import EngineOptimizer
 from .zero_setup import validated_groups

@@ -38,7 +38,7 @@ grads, and at stage 2 during backward up to IN_FLIGHT_BUCKETS + 2 = 4 full
 gradient buckets of bucket_cap_mb (two reductions in flight, and two being
 filled: a block's grads arrive in another order than its params were
 registered, a LayerNorm registered before the attention gets its grad first;
-zerokern/zero/stage2_bucket.py) plus one bucket that a weight used at both
+zerokern/zero/grads/released.py) plus one bucket that a weight used at both
 ends of the model (a tied embedding, whose grad comes first and last) holds
 open all backward, as large as that weight if it exceeds the cap
 (largest_param; from_model() passes it), capped at the full grads. These are
@@ -51,7 +51,7 @@ grads directly and keeps no fp32 copy of them.
 [Note: the stage-3 working set] At stage 3 (dp > 1) zerokern also holds full params while
 units compute: the outermost unit (the root: embeddings, final norm, a tied head) stays
 gathered through forward and backward, and besides it the unit computing and the one prefetched
-(zerokern/zero/stage3.py): root + 2 units, in the param dtype (`gathered`). Its gradients go
+(zerokern/zero/params/per_unit.py): root + 2 units, in the param dtype (`gathered`). Its gradients go
 through stage 2's buckets, so stage 3 has stage 2's `buffers` too. Sizing it needs a unit's
 size: from the shape one layer is a unit; from a param count (from_model too) only if
 unit_params is given, and otherwise `gathered` is None, not 0: not modelled, and not in the total.
@@ -69,7 +69,7 @@ torchrun numbers them), a ring over all dp ranks crosses between hosts `hosts` t
 ring edge carries (dp - 1)/dp of the tensor per reduce-scatter or all-gather: flat sharding
 sends hosts * (dp - 1)/dp * params bytes across hosts per such collective, 2 of them at stages
 0-2 and 3 at stage 3 (all links together, both directions). Hybrid sharding (mesh=(hosts,
-dp/hosts), [Note: hybrid sharding] in zerokern/zero/hybrid_comm.py) shards within a host and
+dp/hosts), [Note: hybrid sharding] in zerokern/zero/comm/hybrid.py) shards within a host and
 all-reduces each reduced shard across the hosts over one rank per host: dp/hosts rings of
 `hosts` ranks, each all-reduce sending 2 (hosts - 1)/hosts of a shard per rank, so 2 (hosts - 1)
 * params bytes in all at every stage from 1 on; the param gathers stay inside each host. Its

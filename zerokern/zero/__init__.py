@@ -1,10 +1,25 @@
-"""The ZeRO runtime: where params live in flat buckets (layout.py, storage.py),
-the units that own them and their hooks (unit.py, api.py), the per-bucket
-reduction state (bucket.py, states.py), one collective order per optimizer
-(schedule.py), the master weights and Adam state per shard (store.py),
-collectives (comm.py) and state dicts (checkpoint.py). docs/DESIGN.md draws it."""
+"""The ZeRO runtime, in wings whose imports point down only (tests/test_layers.py keeps it so):
 
-from .api import ZeroModule, full_state_dict, shard, unit_of
-from .unit import OffloadPolicy, ShardConfig
+    api.py, engine.py      zerokern.shard / full_state_dict; the ZeroEngine an optimizer drives
+    unit.py                a ShardUnit: one module's params in flat buckets, its hooks, who owns a param
+    grads/  params/  state/    gradient buckets and their reduction; param buffers and gathers;
+                               the master weights and optimizer state per shard
+    comm/                  collectives (Comm, GlooComm, HybridComm) and the collective check
+    core/                  pure definitions: the stage (core/stage.py), states, the bucket plan, errors
 
-__all__ = ["shard", "full_state_dict", "unit_of", "ZeroModule", "OffloadPolicy", "ShardConfig"]
+docs/DESIGN.md draws it. The public names below load on first use, so that importing one
+module of a wing does not import the whole runtime.
+"""
+
+_PUBLIC = {"shard": "api", "full_state_dict": "api", "ZeroModule": "api", "unit_of": "unit",
+           "OffloadPolicy": "core.stage", "ShardConfig": "core.stage"}
+__all__ = list(_PUBLIC)
+
+
+def __getattr__(name):
+    if name in _PUBLIC:
+        import importlib
+        value = getattr(importlib.import_module(f"{__name__}.{_PUBLIC[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -21,40 +21,15 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
-from torch.utils.weak import WeakIdKeyDictionary
 
-from . import ddp_guard
-from . import model_state
-from .comm import Comm
-from .hybrid_comm import comm_for
-from .lowbit_store import StatePolicy
-from .materialize import in_scope, materialize
-from .stage3 import runtime_for
-from .stage import OffloadPolicy, ParamMode, ShardConfig
-from .unit import ShardUnit
-
-# param -> a weak reference to the unit that owns it. Weak both ways: a param that dies (or a
-# deepcopy's new param) is not in it, and the unit (which holds its params strongly) lives as long
-# as its module (module._zerokern_unit) or its optimizer holds it; a strong value here would keep
-# every sharded model alive for good.
-_OWNER = WeakIdKeyDictionary()
-
-
-def unit_of(param: torch.Tensor) -> Optional[ShardUnit]:
-    ref = _OWNER.get(param)
-    return ref() if ref is not None else None
-
-
-def make_unit(params, names, runs, comm: Comm, config: ShardConfig, name: str) -> ShardUnit:
-    for p, n in zip(params, names):
-        owner = unit_of(p)
-        if owner is not None:
-            raise ValueError(f"zerokern: {n} is already sharded by unit '{owner.name}'")
-    unit = ShardUnit(params, names, runs, comm, config, name)
-    for p in unit.params:
-        _OWNER[p] = weakref.ref(unit)
-    return unit
-
+from .grads import ddp_guard
+from .params import model_state
+from .comm.factory import comm_for
+from .state.lowbit_store import StatePolicy
+from .params.materialize import in_scope, materialize
+from .params.per_unit import runtime_for
+from .core.stage import OffloadPolicy, ParamMode, ShardConfig
+from .unit import ShardUnit, make_unit, unit_of  # noqa: F401 (unit_of re-exported)
 
 class ZeroModule:
     """Methods a sharded module gains (its class becomes a subclass of this and of its own)."""
@@ -73,8 +48,8 @@ class ZeroModule:
 
 def _forward_pre_hook(module, args):
     unit = module._zerokern_unit
-    ddp_guard.check_forward(unit)  # [Note: DDP wrap] in ddp_guard.py
-    # [Note: interrupted backward] in schedule.py: a new forward ends a backward that never finished.
+    ddp_guard.check_forward(unit)  # [Note: DDP wrap] in grads/ddp_guard.py
+    # [Note: interrupted backward] in grads/schedule.py: a new forward ends a backward that never finished.
     if unit.schedule is not None:
         unit.schedule.reset()
     # [Note: ownership] in unit.py: load_state_dict(assign=True) put new Parameter objects in the
@@ -99,18 +74,18 @@ def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket
     `module` (the same object). overlap_param_gather: step() returns before the updated params
     are gathered; each unit waits for its own in its next forward, a module holding a param in
     its state_dict() too (code that reads params directly in between calls
-    opt.finish_param_gather() first; [Note: gather behind forward] in zero/param_gather.py).
+    opt.finish_param_gather() first; [Note: gather behind forward] in zero/params/gather.py).
     stage=3 shards the params too: once the optimizer is built, each rank keeps its slice and a
     unit's params are gathered for its forward and backward only (reshard_after_forward=False
-    keeps them from forward to backward); [Note: stage-3 params] in zero/stage3.py. At stage 3
+    keeps them from forward to backward); [Note: stage-3 params] in zero/params/per_unit.py. At stage 3
     the module may be on the meta device: its own params are then materialised on `device` (None:
     the current CUDA device if there is one, else the CPU), initialised by reset_parameters() or
-    init(module), and sharded before shard() returns ([Note: meta init] in zero/materialize.py).
+    init(module), and sharded before shard() returns ([Note: meta init] in zero/params/materialize.py).
     state_precision: what the optimizer will keep Adam's moments in; "int8" lays the buckets out in
-    blocks of 256 elements ([Note: int8 shards in blocks] in zero/lowbit_store.py), so pass the
+    blocks of 256 elements ([Note: int8 shards in blocks] in zero/state/lowbit_store.py), so pass the
     same value to FusedZeroAdam. mesh: hybrid sharding, sharded within each host and replicated across
     hosts: a 2-D DeviceMesh with dims ("replicate", "shard") as FSDP2's HSDP takes, or a (replicate,
-    shard) pair of sizes (the same on every shard() call; [Note: hybrid sharding] in zero/hybrid_comm.py)."""
+    shard) pair of sizes (the same on every shard() call; [Note: hybrid sharding] in zero/comm/hybrid.py)."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"shard() takes an nn.Module, got {type(module).__name__}")
     if isinstance(module, ZeroModule):
@@ -178,7 +153,7 @@ def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket
         runtime = runtime_for(comm)
         runtime.add(unit)  # [Note: stage-3 params]: this rank keeps its slice from now on
         if comm.distributed:
-            from ..integrations.generate import sync_generate
+            from .params.generate import sync_generate
             sync_generate(module)  # each forward gathers: every rank must run as many
         for n, p in module.named_parameters(remove_duplicate=False):
             other = unit_of(p)  # a param of another unit held here too (a tied head): gathered for its use here

@@ -21,15 +21,16 @@ import weakref
 
 import torch
 
-from . import ddp_guard
-from .api import make_unit, unit_of
-from .param_gather import GatherAfterStep
-from .schedule import ReduceSchedule
-from .hybrid_comm import comm_for, resolve_mesh
-from .stage import GradMode, ParamMode, ShardConfig, optimizer_stage
-from .stage3 import runtime_for
-from .lowbit_store import LowBitStore
-from .store import ShardStore
+from .grads import ddp_guard
+from .unit import make_unit, unit_of
+from .params.gather import GatherAfterStep
+from .grads.schedule import ReduceSchedule
+from .comm.factory import comm_for
+from .comm.hybrid import resolve_mesh
+from .core.stage import GradMode, ParamMode, ShardConfig, optimizer_stage
+from .params.per_unit import runtime_for
+from .state.lowbit_store import LowBitStore
+from .state.store import ShardStore
 
 NORM_CHUNK = 1 << 15  # elements per partial norm of the global grad norm (see _global_norm)
 
@@ -108,7 +109,7 @@ class ZeroEngine:
                  what="FusedZeroAdam", options="", state=None, mesh=None):
         """groups: the param groups' param lists (validated); names: {param: name} where known.
         state_keys: the state tensors each store keeps per shard (the optimizer's own). state: a
-        StatePolicy (lowbit_store.py) for low-bit state or params without masters, else None."""
+        StatePolicy (state/lowbit_store.py) for low-bit state or params without masters, else None."""
         self.optimizer = weakref.ref(optimizer)  # the runtime never calls up into it
         self.what = what
         all_params = [p for g in groups for p in g]
@@ -147,7 +148,7 @@ class ZeroEngine:
         self.units = owned + ([make_unit(loose, [names.get(p, f"params[{index[p]}]") for p in loose],
                                          [0] * len(loose), self.comm, config, "params")] if loose else [])
         tindex = {p: k for k, p in enumerate(self.trainable)}
-        # [Note: one collective order] in schedule.py: buckets by when backward completes them.
+        # [Note: one collective order] in grads/schedule.py: buckets by when backward completes them.
         placed = sorted(((f, b) for u in self.units for f in u.flat for b in range(len(f.buckets))),
                         key=lambda fb: -min(index[fb[0].params[i]] for i in fb[0].layout.buckets[fb[1]].tensors))
         self.schedule = ReduceSchedule([f.buckets[b] for f, b in placed], self.comm, config.overlap_comm,
@@ -158,7 +159,7 @@ class ZeroEngine:
         for u in self.units:
             u.schedule = self.schedule
         self._broadcast_params()  # before the stores read their masters
-        # [Note: stage-3 params] in stage3.py: shard() sharded them; the runtime gathers in forward and backward
+        # [Note: stage-3 params] in params/per_unit.py: shard() sharded them; the runtime gathers in forward and backward
         self.stage3 = None
         if strategy.params is ParamMode.GATHER_PER_UNIT:
             self.stage3 = runtime_for(self.comm)
@@ -189,7 +190,7 @@ class ZeroEngine:
         self._clip = None  # (max_norm, norm) from clip_grad_norm_ for the next step
         self._overflow_seen = False  # clip_grad_norm_'s reduction found an overflow (fp16) this round
         self.last_step_skipped = False  # the last step() skipped the update (an inf/nan on some rank)
-        ddp_guard.watch(optimizer, self.units)  # [Note: DDP wrap] in ddp_guard.py
+        ddp_guard.watch(optimizer, self.units)  # [Note: DDP wrap] in grads/ddp_guard.py
 
     def _where(self, p):
         return unit_of(p).locate(p)
@@ -238,7 +239,7 @@ class ZeroEngine:
         self._clip = None
         self._overflow_seen = False
         self.schedule.end_round(release=self.strategy.frees_grads_after_step)
-        if self.strategy.frees_grads_after_step:  # [Note: grads after step] in sharded_grad.py
+        if self.strategy.frees_grads_after_step:  # [Note: grads after step] in grads/placeholder.py
             for f, members in self._flat_members:
                 f.after_step([had[t] for t in members])
 
@@ -555,7 +556,7 @@ class ZeroEngine:
     def zero_grad(self, set_to_none: bool = True):
         """As torch.optim: every .grad None (a param no backward reaches then is not stepped), or
         with set_to_none=False a zero grad that the next step() uses. The buckets are zeroed;
-        autograd accumulates into them again ([Note: grads after step] in zero/sharded_grad.py)."""
+        autograd accumulates into them again ([Note: grads after step] in zero/grads/placeholder.py)."""
         self.schedule.zero(set_to_none)
         self._clip = None  # a new round: a clip or an overflow of the dropped one does not carry over
         self._overflow_seen = False

@@ -27,16 +27,17 @@ import weakref
 from typing import List, Optional, Sequence
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
-from . import empty_param
-from .bucket import GradBucket
-from .layout import plan_layout
-from .member import Member
-from .sharded_grad import CONSUMED, ZERO, ShardedGrad
-from .stage import GradMode, OffloadPolicy, ParamMode, ShardConfig, Strategy  # noqa: F401 (re-exported)
-from .stage2_bucket import ReleasingGradBucket
-from .states import BucketState
-from .storage import FlatBuffers
+from .params import empty as empty_param
+from .grads.bucket import GradBucket
+from .core.layout import plan_layout
+from .core.member import Member
+from .grads.placeholder import CONSUMED, ZERO, ShardedGrad
+from .core.stage import GradMode, OffloadPolicy, ParamMode, ShardConfig, Strategy  # noqa: F401 (re-exported)
+from .grads.released import ReleasingGradBucket
+from .core.states import BucketState
+from .params.storage import FlatBuffers
 
 
 class FlatParams:
@@ -183,7 +184,7 @@ class FlatParams:
         buffer and autograd adds to it, as torch would. Otherwise (None, a placeholder, a dropped
         view) .grad becomes None: autograd then hands over its new grad, and the hook copies it
         into the buffer (taken from the pool), which so needs no zeroing ([Note: zeroing on
-        demand] in stage2_bucket.py)."""
+        demand] in grads/released.py)."""
         m, bucket = self.members[i], self.bucket_of(i)
         g = m.param.grad
         if bucket.is_view(i, g, m.shape):
@@ -212,7 +213,7 @@ class FlatParams:
             return 0, 0, self.layout.slots[i].bucket, 0
         return pc.tensor_start, pc.numel, pc.bucket, pc.shard_offset
 
-    # --- stage 3 ([Note: stage-3 params] in stage3.py) --------------------------------
+    # --- stage 3 ([Note: stage-3 params] in params/per_unit.py) --------------------------------
 
     def shard_params(self) -> None:
         """Keep a copy of this rank's slice of every param bucket (the full buffers still hold
@@ -244,7 +245,7 @@ class FlatParams:
 
     def forget_empty_write(self, i: int) -> None:
         """A write to params[i] while sharded that is known to mean nothing (a root's init of
-        params its own unit initialised the same way: materialize.py) is not an error later."""
+        params its own unit initialised the same way: params/materialize.py) is not an error later."""
         m = self.members[i]
         if m.empty_version is not None:
             m.empty_version = m.param._version
@@ -321,13 +322,13 @@ class ShardUnit:
         """params/names/runs in registration order; runs[k] numbers the stretch of the
         module's params (between other units' params) that params[k] belongs to."""
         self.comm, self.config, self.name = comm, config, name
-        self.strategy = config.strategy(comm.world_size)  # what the stage means here (stage.py)
+        self.strategy = config.strategy(comm.world_size)  # what the stage means here (core/stage.py)
         self.schedule = None  # the ReduceSchedule of the optimizer that owns this unit, once one does
         self.module_slots = []  # (module, attribute, param): set by zerokern.shard to follow the module
         self.param_owners = []  # (module, param) for every module holding a param, tied ones each time
         self.module = lambda: None  # zerokern.shard: a weak reference to the unit's module
         self.sync = True  # False: backward accumulates locally (no_sync / set_requires_gradient_sync(False))
-        self.after_grad = None  # stage 3: called (unit) after each of its params' grads (stage3.py)
+        self.after_grad = None  # stage 3: called (unit) after each of its params' grads (params/per_unit.py)
         self.flat: List[FlatParams] = []
         trainable = [k for k, p in enumerate(params) if p.requires_grad]
         for dtype in sorted({params[k].dtype for k in trainable}, key=str):
@@ -431,6 +432,29 @@ class ShardUnit:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+# param -> a weak reference to the unit that owns it. Weak both ways: a param that dies (or a
+# deepcopy's new param) is not in it, and the unit (which holds its params strongly) lives as long
+# as its module (module._zerokern_unit) or its optimizer holds it; a strong value here would keep
+# every sharded model alive for good.
+_OWNER = WeakIdKeyDictionary()
+
+
+def unit_of(param: torch.Tensor) -> Optional[ShardUnit]:
+    ref = _OWNER.get(param)
+    return ref() if ref is not None else None
+
+
+def make_unit(params, names, runs, comm, config: ShardConfig, name: str) -> ShardUnit:
+    for p, n in zip(params, names):
+        owner = unit_of(p)
+        if owner is not None:
+            raise ValueError(f"zerokern: {n} is already sharded by unit '{owner.name}'")
+    unit = ShardUnit(params, names, runs, comm, config, name)
+    for p in unit.params:
+        _OWNER[p] = weakref.ref(unit)
+    return unit
 
 
 def _pre_hook(unit_ref, k: int, i: int):

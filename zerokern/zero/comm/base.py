@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from . import collective_check, exit_drain
+from . import exit_drain
 
 # torch 2.14 renamed the flat-tensor collectives; 2.11 has only the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -55,14 +55,15 @@ def _check_launched_alone():
 
 class Comm:
     """torch.distributed's collectives over one group, labelled, async, with agreement helpers.
-    make_comm() picks the subclass for the group's backend (gloo_comm.GlooComm)."""
+    comm/factory.make_comm() picks the subclass for the group's backend (gloo.GlooComm) and hands it
+    the group's collective check (check.py)."""
 
-    # [Note: the collective for the backend] (gloo_comm.py): what a backend does fastest
+    # [Note: the collective for the backend] (comm/gloo.py): what a backend does fastest
     exchange_reduce = False  # a 2-rank reduce-scatter as an exchange of halves
     prefers_all_reduce = False  # a scratch bucket all-reduced (then this rank's range read)
     broadcast_gather = False  # an all-gather of own slices as one broadcast per rank
 
-    def __init__(self, process_group=None):
+    def __init__(self, process_group=None, check=None):
         if process_group is None and dist.is_available() and dist.is_initialized():
             process_group = dist.group.WORLD
         if process_group is None:
@@ -71,10 +72,9 @@ class Comm:
         self.world_size = dist.get_world_size(process_group) if process_group is not None else 1
         self.rank = dist.get_rank(process_group) if process_group is not None else 0
         self.wait_seconds = 0.0  # host time spent waiting on collectives (bench/overlap.py reads it)
-        self.check = None  # [Note: announced collectives] (collective_check.py)
+        self.check = check  # [Note: announced collectives] (check.py); None: launched directly
         if self.distributed:
             exit_drain.register()  # [Note: exit drain]
-            self.check = collective_check.for_group(process_group)
 
     @property
     def distributed(self):
@@ -191,13 +191,3 @@ class Comm:
             return _Done()
         self.wait(self._launch(name, None, start))
         return out
-
-
-def make_comm(process_group=None) -> Comm:
-    """The Comm for `process_group` (None: the default group if there is one, else one process),
-    with the collectives its backend does fastest."""
-    comm = Comm(process_group)
-    if comm.distributed and dist.get_backend(comm.group) == "gloo":
-        from .gloo_comm import GlooComm
-        return GlooComm(comm.group)
-    return comm

@@ -34,7 +34,7 @@ from typing import Callable, List, Optional
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import empty_param
+from . import empty as empty_param
 
 # meta param -> the Parameter that replaced it: a param tied across units (a head sharded on its own,
 # tied to the root's embedding) is materialised by the first unit; later units take the same one.

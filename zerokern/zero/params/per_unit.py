@@ -8,7 +8,7 @@ hold values only while the unit is GATHERED; their storage is freed (resized to 
 tensor objects stay) otherwise. Between gathers a param's .data is an empty tensor of its dtype
 and device, as DeepSpeed's stage 3 leaves it: code that reads a param outside its unit's forward
 and backward sees an empty tensor and fails on its shape, never reads freed memory (on a CPU a
-tensor over freed storage is a segfault), and its full shape is kept in its Member (member.py).
+tensor over freed storage is a segfault), and its full shape is kept in its Member (core/member.py).
 
 The storage is resized in place rather than replaced, so tensors that autograd saved in the
 forward (views such as weight.t() share the buffer's storage) read the values gathered again
@@ -42,8 +42,8 @@ import torch.utils._pytree as pytree
 from torch.autograd.graph import register_multi_grad_hook
 
 from . import model_state
-from .param_gather import BucketParams
-from .states import ParamState
+from .gather import BucketParams
+from ..core.states import ParamState
 
 
 def _in_backward() -> bool:
@@ -52,7 +52,7 @@ def _in_backward() -> bool:
 
 def _hook_state_dicts(module, up) -> None:
     """model.state_dict() and load_state_dict() of `module`'s own params that are `up`'s: this
-    rank's slices ([Note: stage-3 model state dicts] in model_state.py)."""
+    rank's slices ([Note: stage-3 model state dicts] in params/model_state.py)."""
     attrs = [a for a, p in module._parameters.items() if p is not None and up.unit.locate(p) is not None]
     if not attrs:
         return
@@ -102,7 +102,7 @@ def _hook_state_dicts(module, up) -> None:
 
 
 class UnitParams:
-    """One stage-3 unit's params: its buckets' BucketParams (param_gather.py), moved together, and
+    """One stage-3 unit's params: its buckets' BucketParams (params/gather.py), moved together, and
     the params' data bound to the full buffers while they are gathered, to empty tensors otherwise."""
 
     def __init__(self, unit, comm, counter=None):

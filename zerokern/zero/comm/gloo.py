@@ -13,7 +13,7 @@ import itertools
 
 import torch.distributed as dist
 
-from .comm import Comm
+from .base import Comm
 
 
 class _AllOf:
@@ -53,8 +53,8 @@ _TAGS = {}
 
 
 class GlooComm(Comm):
-    def __init__(self, process_group=None):
-        super().__init__(process_group)
+    def __init__(self, process_group=None, check=None):
+        super().__init__(process_group, check)
         self.exchange_reduce = self.world_size == 2
         self.prefers_all_reduce = not self.exchange_reduce
         self.broadcast_gather = True

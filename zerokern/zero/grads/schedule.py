@@ -14,7 +14,7 @@ rank, or one dtype finishing before another, never reorders collectives.
 when backward raises. The schedule then stays RUNNING with collectives in
 flight. The next forward of a unit, zero_grad() or step() calls reset(): it
 waits out those collectives (every rank launched the same ones), and the
-version rule of bucket.py ([Note: the local grads are the truth]) decides
+version rule of grads/bucket.py ([Note: the local grads are the truth]) decides
 whether their results are still valid when step() comes.
 """
 
@@ -27,8 +27,8 @@ import torch
 
 from .bucket import GradBucket
 from .pool import GradBufferPool
-from .stage2_bucket import IN_FLIGHT_BUCKETS
-from .states import BackwardState
+from .released import IN_FLIGHT_BUCKETS
+from ..core.states import BackwardState
 
 
 class ReduceSchedule:

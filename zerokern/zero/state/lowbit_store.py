@@ -13,57 +13,22 @@ same blocks at every world size: each rank quantizes its own shard with no commu
 a checkpoint's codes and scales re-shard exactly.
 """
 
-from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..kernels import lowbit
+from ...kernels import lowbit
+from ..core.stage import StatePolicy
 from .store import ShardStore
-from .unit import FlatParams
 
-PRECISIONS = ("fp32", "bf16", "int8")
-_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
-
-
-@dataclass(frozen=True)
-class StatePolicy:
-    """How an optimizer keeps its state. precision: Adam's moments in fp32, bf16 (stochastically
-    rounded) or int8 blocks; master_weights False: bf16 params updated in place, stochastically
-    rounded, with no fp32 copy. seed keys the rounding ([Note: reproducible rounding])."""
-
-    precision: str = "fp32"
-    master_weights: bool = True
-    seed: int = 0
-
-    def __post_init__(self):
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"state_precision must be one of {', '.join(map(repr, PRECISIONS))}, "
-                             f"got {self.precision!r}")
-        if not isinstance(self.master_weights, bool):
-            raise TypeError(f"master_weights must be True or False, got {self.master_weights!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
-            raise ValueError(f"rounding_seed must be an int in [0, 2**63), got {self.seed!r}")
-
-    @property
-    def plain(self) -> bool:
-        """fp32 moments with masters: ShardStore's own format."""
-        return self.precision == "fp32" and self.master_weights
-
-    @property
-    def align(self) -> Optional[int]:
-        return lowbit.BLOCK if self.precision == "int8" else None
-
-    @property
-    def state_dtype(self) -> torch.dtype:
-        return _DTYPE[self.precision]
-
+if TYPE_CHECKING:  # annotations only
+    from ..unit import FlatParams
 
 class LowBitStore(ShardStore):
     """ShardStore's protocol and master bookkeeping (refresh_master, refresh_params, the round-trip
     check), over state of another precision; no offload."""
 
-    def __init__(self, flat: FlatParams, b: int, policy: StatePolicy):  # noqa: D107 (ShardStore's allocation differs)
+    def __init__(self, flat: "FlatParams", b: int, policy: StatePolicy):  # noqa: D107 (ShardStore's allocation differs)
         self.flat, self.b, self.policy = flat, b, policy
         self.bucket = flat.buckets[b]
         shard = self._param_shard = flat.param_shard(b)

@@ -21,6 +21,8 @@ from typing import Optional
 
 import torch
 
+from ...kernels import lowbit
+
 
 class GradMode(enum.Enum):
     """What a bucket does with its gradients, and what .grad holds after backward."""
@@ -56,7 +58,7 @@ class ShardConfig:
     """How a unit is sharded. stage: 0 (replicated, all-reduce, as DDP), 1
     (optimizer state sharded), 2 (gradients too: full buffers freed as they are reduced), 3
     (params too: gathered for the unit's forward and backward only, [Note: stage-3 params] in
-    stage3.py). reshard_after_forward (stage 3): free the unit's full params after its forward
+    params/per_unit.py). reshard_after_forward (stage 3): free the unit's full params after its forward
     and gather them again for its backward (False keeps them until backward, trading memory
     for one gather, as FSDP2's option of the same name)."""
 
@@ -65,7 +67,7 @@ class ShardConfig:
     overlap_comm: bool = True
     offload: Optional[OffloadPolicy] = None
     align: int = 16
-    overlap_param_gather: bool = False  # [Note: gather behind forward] in param_gather.py
+    overlap_param_gather: bool = False  # [Note: gather behind forward] in params/gather.py
     reshard_after_forward: bool = True  # stage 3 only
 
     def __post_init__(self):
@@ -135,6 +137,43 @@ class Strategy:
     def layout_world(self) -> int:
         """How many ranks the bucket layout splits into (1: every rank holds whole buckets)."""
         return self.world_size if self.shards_state else 1
+
+
+PRECISIONS = ("fp32", "bf16", "int8")
+_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
+
+
+@dataclass(frozen=True)
+class StatePolicy:
+    """How an optimizer keeps its state. precision: Adam's moments in fp32, bf16 (stochastically
+    rounded) or int8 blocks; master_weights False: bf16 params updated in place, stochastically
+    rounded, with no fp32 copy. seed keys the rounding ([Note: reproducible rounding])."""
+
+    precision: str = "fp32"
+    master_weights: bool = True
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"state_precision must be one of {', '.join(map(repr, PRECISIONS))}, "
+                             f"got {self.precision!r}")
+        if not isinstance(self.master_weights, bool):
+            raise TypeError(f"master_weights must be True or False, got {self.master_weights!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise ValueError(f"rounding_seed must be an int in [0, 2**63), got {self.seed!r}")
+
+    @property
+    def plain(self) -> bool:
+        """fp32 moments with masters: ShardStore's own format."""
+        return self.precision == "fp32" and self.master_weights
+
+    @property
+    def align(self) -> Optional[int]:
+        return lowbit.BLOCK if self.precision == "int8" else None
+
+    @property
+    def state_dtype(self) -> torch.dtype:
+        return _DTYPE[self.precision]
 
 
 def optimizer_stage(zero_stage, world_size: int) -> int:

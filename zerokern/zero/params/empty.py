@@ -40,7 +40,7 @@ _passing = [0]  # > 0: everything goes through (a root's init at shard(), checke
 @contextmanager
 def let_through():
     """Computing with empty params is let through (a root's init= at shard() writes to the units
-    inside it; materialize.py checks those writes by their version counters afterwards)."""
+    inside it; params/materialize.py checks those writes by their version counters afterwards)."""
     _passing[0] += 1
     try:
         yield
@@ -84,7 +84,7 @@ def _sharded_class(cls):
         # guard below and recursed
         sub = _CLASSES[cls] = type(f"Sharded{cls.__name__}", (cls,), {
             "__torch_function__": classmethod(torch._dynamo.disable(__torch_function__)),
-            "__doc__": "A stage-3 param between gathers ([Note: reads between gathers] in zero/empty_param.py)."})
+            "__doc__": "A stage-3 param between gathers ([Note: reads between gathers] in zero/params/empty.py)."})
         _SHARDED.add(sub)
     return sub
 

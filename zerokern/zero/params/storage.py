@@ -19,8 +19,8 @@ from typing import List, Sequence
 
 import torch
 
-from ..kernels.flat_ops import flatten
-from .layout import FlatLayout
+from ...kernels.flat_ops import flatten
+from ..core.layout import FlatLayout
 
 
 class FlatBuffers:

@@ -12,21 +12,24 @@ reduced grad is staged to the CPU before the update and the new param shard
 is copied back after it (operands() / finish()).
 """
 
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
-from .bucket import GradBucket
-from .unit import FlatParams, OffloadPolicy
+from ..core.stage import OffloadPolicy
+
+if TYPE_CHECKING:  # annotations only: a store sits below the unit that it is built from
+    from ..grads.bucket import GradBucket
+    from ..unit import FlatParams
 
 
 class ShardStore:
-    def __init__(self, flat: FlatParams, b: int, offload: Optional[OffloadPolicy],
+    def __init__(self, flat: "FlatParams", b: int, offload: Optional[OffloadPolicy],
                  state_keys: Sequence[str] = ("exp_avg", "exp_avg_sq")):
         """state_keys: the optimizer's fp32 state per element (Adam's two moments; none for an
         optimizer that keeps its own, ZeroOptimizer's inner torch optimizer)."""
         self.flat, self.b = flat, b
-        self.bucket: GradBucket = flat.buckets[b]
+        self.bucket: "GradBucket" = flat.buckets[b]
         param_shard = self._param_shard = flat.param_shard(b)  # a view of a buffer the unit keeps for good
         self.device = offload.device if offload is not None else param_shard.device
         pin = offload is not None and offload.pin_memory and torch.cuda.is_available()

@@ -1,7 +1,7 @@
 """The param gathers of every stage: BucketParams, the one machine that moves a param bucket's
 full buffer between SHARDED, GATHERING and GATHERED (ParamState), and GatherAfterStep, the policy
 of stages 1/2 that runs it after each update. Stage 3's policy (around each unit's forward and
-backward) is UnitParams / Stage3Runtime in stage3.py, over the same machine.
+backward) is UnitParams / Stage3Runtime in params/per_unit.py, over the same machine.
 
 What differs between the stages is one value, `frees` (ParamMode.GATHER_PER_UNIT): at stages 1/2
 the full buffer always has its storage and this rank's slice is a view of it, so SHARDED only
@@ -28,7 +28,7 @@ from typing import Dict, List
 
 import torch
 
-from .states import ParamState
+from ..core.states import ParamState
 
 
 class BucketParams:

@@ -4,7 +4,7 @@ The runtime finds what the model did to a param between two of its own steps by 
 it recorded against the param: where its data must stay (`ptr`, [Note: ownership] in unit.py),
 its version counter when the stores last looked (`version`, [Note: in-place weights]), the
 .grad it last set (`bound`), and at stage 3 its version when its data went empty
-(`empty_version`, [Note: stage-3 params] in stage3.py). These live together so one param's
+(`empty_version`, [Note: stage-3 params] in params/per_unit.py). These live together so one param's
 record cannot fall out of step with another's.
 """
 

@@ -1,7 +1,7 @@
 """GradBufferPool: the full gradient buffers of stage-2 buckets, reused.
 
 A stage-2 bucket holds a full buffer only while its gradients are being
-accumulated or reduced ([Note: stage-2 memory] in stage2_bucket.py). The
+accumulated or reduced ([Note: stage-2 memory] in grads/released.py). The
 buffers come from here and go back here, so a backward reuses a few buffers
 instead of allocating one per bucket, and the pool counts what is held (in
 use or kept free) and its peak: bench/train_step.py reports that peak next to

@@ -34,7 +34,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .checkpoint import mark_boxes
+from ..core.dcp_marks import mark_boxes
 
 Box = Tuple[Tuple[int, ...], Tuple[int, ...]]  # (offsets, sizes)
 

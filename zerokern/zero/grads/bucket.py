@@ -28,16 +28,15 @@ from typing import List, Optional
 
 import torch
 
-from ..zero.layout import Bucket, FlatLayout
-from .sharded_grad import ShardedGrad
-from .states import BucketState
+from ..core.layout import Bucket, FlatLayout
+from ..core.states import BucketState
 
 
 class GradBucket:
     """Bucket `plan.index` of `layout`: its full grad buffer (allocated on first
     use; released at stage 2 on one process after the step) and, when sharded over
     ranks, this rank's reduced shard (kept). Stage 2 on several ranks is
-    ReleasingGradBucket (stage2_bucket.py)."""
+    ReleasingGradBucket (grads/released.py)."""
 
     releases = False  # the full buffer is kept until step()/zero_grad()
 
@@ -93,7 +92,8 @@ class GradBucket:
 
     def is_view(self, index: int, grad: Optional[torch.Tensor], shape) -> bool:
         full = self.full
-        if grad is None or full is None or grad.shape != shape or isinstance(grad, ShardedGrad):
+        # a placeholder (grads/placeholder.py) has no storage: its data_ptr() is 0, never a slot's
+        if grad is None or full is None or grad.shape != shape:
             return False
         s = self.layout.slots[index]
         return grad.data_ptr() == full.data_ptr() + s.offset * full.element_size()

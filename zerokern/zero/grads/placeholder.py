@@ -1,7 +1,7 @@
 """ShardedGrad: what .grad holds at zero_stage=2 once backward has reduced it.
 
 [Note: stage-2 .grad] At stage 2 on several ranks a bucket's full gradient
-buffer is released as soon as its reduction completes (stage2_bucket.py), so
+buffer is released as soon as its reduction completes (grads/released.py), so
 the averaged gradient exists only as this rank's shard inside the optimizer.
 Each param of a reduced bucket then gets this placeholder as its .grad (also
 one this rank had no grad for: the shard holds the other ranks' part, as DDP

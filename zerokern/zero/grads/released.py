@@ -2,20 +2,20 @@
 buffer lives only while it is accumulated or reduced.
 
 [Note: stage-2 memory] At stage 2 the reduced shard is the truth, not the
-local grads (contrast [Note: the local grads are the truth] in bucket.py, which
+local grads (contrast [Note: the local grads are the truth] in grads/bucket.py, which
 stages 0 and 1 keep). The full buffer holds only the local grads not yet
 reduced ("pending"); each reduction adds its average into the shard, which
 accumulates over the synced backwards of a round (a round ends at step() or
 zero_grad()), and the full buffer goes back to the pool the moment the
 reduction is waited for (the pool keeps it for the next backward: [Note: what
-the pool keeps] in pool.py). So after a synced backward a rank holds its reduced
+the pool keeps] in grads/pool.py). So after a synced backward a rank holds its reduced
 shards plus nothing else; during backward, the buckets autograd is filling
 (usually one or two, and one a tied embedding holds open all backward) plus at
 most IN_FLIGHT_BUCKETS reductions in flight (ReduceSchedule waits for the
 oldest beyond that); zerokern/plan counts 5 buckets for it. Under no_sync() the pending buffers stay, as FSDP2's
 unsharded grads do, and the next synced backward or step() reduces them.
 
-What .grad holds is in [Note: stage-2 .grad] (sharded_grad.py). A grad that
+What .grad holds is in [Note: stage-2 .grad] (grads/placeholder.py). A grad that
 arrives after its bucket was reduced (a second synced backward, reentrant
 checkpointing, shared weights) goes into a fresh pending buffer and is
 reduced again, adding to the shard; a reduced grad that the user drops
@@ -31,13 +31,13 @@ backend does best (Comm.prefers_all_reduce): an in-place all-reduce followed
 by reading this rank's range (gloo on more than 2 ranks, whose reduce-scatter
 is slower than its all-reduce), or a reduce-scatter (NCCL, half the bytes;
 on 2 gloo ranks an exchange of halves, [Note: reduce-scatter as an exchange]
-in comm.py).
+in comm/base.py).
 """
 
 import torch
 
 from .bucket import GradBucket
-from .states import BucketState
+from ..core.states import BucketState
 
 IN_FLIGHT_BUCKETS = 2  # reductions in flight at once in a stage-2 backward (each holds a full buffer)
 

@@ -1,0 +1,66 @@
+"""Which Comm a group gets: make_comm picks the class for the group's backend, comm_for adds the
+hybrid (mesh) case. Apart from the Comm classes so that none of them names another."""
+
+from typing import Optional
+
+import torch.distributed as dist
+
+from . import check as collective_check
+from .base import Comm
+from .gloo import GlooComm
+from .hybrid import HybridComm, describe, resolve_mesh
+
+# the HybridComm of a mesh's groups, per (shard group, replica group): every shard() call and the
+# optimizer share one, so its byte count covers every unit
+_COMMS = {}
+
+
+def make_comm(process_group=None) -> Comm:
+    """The Comm for `process_group` (None: the default group if there is one, else one process),
+    with the collectives its backend does fastest."""
+    probe = Comm(process_group)  # resolves the default group and the world size
+    if not probe.distributed:
+        return probe
+    cls = GlooComm if dist.get_backend(probe.group) == "gloo" else Comm
+    return cls(probe.group, check=collective_check.for_group(probe.group))
+
+
+def mesh_comm(mesh, process_group, device_type: str):
+    """A HybridComm for `mesh` (see resolve_mesh), after every rank agreed on the mesh (one
+    collective over the world: a rank with another mesh, or none, makes every rank raise), or
+    the shard group's plain Comm where the mesh has one replica."""
+    world = make_comm(None)
+    mine = ("mesh", tuple(mesh)) if isinstance(mesh, (tuple, list)) else None
+    if mine is not None:  # sizes only: agree before building groups for them
+        _agree(world, mine)
+    mesh = resolve_mesh(mesh, process_group, device_type)
+    description = describe(mesh)
+    if mine is None:
+        _agree(world, description)
+    shard_group, replica_group = mesh.get_group("shard"), mesh.get_group("replicate")
+    if dist.get_world_size(shard_group) < 2:
+        raise ValueError(f"zerokern: the mesh {tuple(mesh.mesh.shape)} has a shard dim of size 1, so nothing would "
+                         "be sharded; that is data parallelism (zero_stage=0 over the world, or DDP)")
+    key = (id(shard_group), id(replica_group))
+    cached = _COMMS.get(key)
+    if cached is not None and cached.shards.group is shard_group and cached.replicas.group is replica_group:
+        return cached
+    shards = make_comm(shard_group)
+    if dist.get_world_size(replica_group) == 1:
+        return shards
+    _COMMS[key] = comm = HybridComm(world, shards, make_comm(replica_group), description)
+    return comm
+
+
+def _agree(world, mine) -> None:
+    everyone = world.differing(mine, "zerokern mesh")
+    if everyone is not None:
+        raise ValueError("zerokern: the ranks passed different meshes, so their groups would not pair: "
+                         + "; ".join(f"rank {r}: {m}" for r, m in enumerate(everyone)))
+
+
+def comm_for(process_group=None, mesh=None, device_type: Optional[str] = None):
+    """The Comm sharding uses: over `mesh` where one is given, else over `process_group`."""
+    if mesh is None:
+        return make_comm(process_group)
+    return mesh_comm(mesh, process_group, device_type or "cpu")

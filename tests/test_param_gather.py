@@ -62,7 +62,7 @@ def test_one_process_trains_as_without_it():
 def test_units_gather_in_the_order_the_forward_reaches_them():
     """The root first (its pre-hook runs first, also where its own params come last), then the
     blocks in order."""
-    from zerokern.optim.fused_zero_adam import forward_order
+    from zerokern.zero.unit import forward_order
     from zerokern.zero.api import unit_of
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))

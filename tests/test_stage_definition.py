@@ -6,7 +6,7 @@ import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "zerokern"
-DEFINITION = ROOT / "zero" / "core" / "core/stage.py"
+DEFINITION = ROOT / "zero" / "core" / "stage.py"
 # a stage number compared or tested: `stage == 3`, `zero_stage in (1, 2)`, `config.stage >= 1`, ...
 READ = re.compile(r"\b(zero_)?stage\s*(==|!=|>=|<=|>|<|\bin\b|\bnot in\b)|(==|!=|>=|<=|>|<)\s*\w*\.?(zero_)?stage\b")
 

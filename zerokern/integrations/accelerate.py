@@ -50,7 +50,7 @@ import re
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ..zero.engine import owner_of
+from ..zero.unit import owner_of
 from ..zero.api import full_state_dict
 from ..optim.state_dict import FORMAT
 from ..zero.core.stage import ParamMode

@@ -42,18 +42,17 @@ class EngineOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        grad_scale = getattr(self, "grad_scale", None)
-        had, skip = self.engine.begin_step(getattr(self, "found_inf", None), grad_scale)
-        if had and not any(had) and not self._warned_no_grads:
+        step = self.engine.begin_step(getattr(self, "found_inf", None), getattr(self, "grad_scale", None),
+                                      self.max_grad_norm)
+        if step.had and not any(step.had) and not self._warned_no_grads:
             self._warned_no_grads = True
             warnings.warn(f"{type(self).__name__}.step(): no parameter had a gradient on any rank, so nothing was "
                           "updated. If the model's Parameters were replaced after the optimizer was built "
                           "(load_state_dict(..., assign=True) without zerokern.shard), build the optimizer after "
                           "that, as with any torch optimizer", stacklevel=3)
-        if not skip and any(had):
-            self._update(had, self.engine.grad_divisor(grad_scale, had, self.max_grad_norm))
-            self.engine.gather_updated()
-        self.engine.end_step(had, skip)
+        if step.updates:
+            self._update(step.had, step.divisor)
+        self.engine.finish_step(step)
         return loss
 
     def _update(self, had, divisor):

@@ -14,13 +14,14 @@ import torch
 
 from ..kernels import lowbit
 from ..kernels.backends.registry import resolve
+from ..kernels.lowbit_ops import fused_adam_lowbit_
 from ..kernels.ops import fused_adam_
 from . import state_dict as checkpoint
-from ..zero.engine import ZeroEngine, forward_order  # noqa: F401 (forward_order: tests)
+from ..zero.core.stage import StatePolicy
+from ..zero.engine import ZeroEngine
 from .engine_optimizer import EngineOptimizer
 from .hyper import check_hyper
-from .lowbit_update import block_slice, check_lowbit_options, lowbit_update
-from ..zero.state.lowbit_store import StatePolicy
+from .lowbit_options import block_slice, check_lowbit_options
 from .update_lists import UniformCalls, extend_calls
 from .zero_setup import validated_groups
 
@@ -180,7 +181,7 @@ class FusedZeroAdam(EngineOptimizer):
     def _update(self, had, scale):  # noqa: D102 (EngineOptimizer's)
         """The fused update of every shard (one kernel call per param group and step count)."""
         if not self.state_policy.plain:
-            lowbit_update(self, had, scale, self._steps)
+            self._update_lowbit(had, scale)
             self._step_buffer += torch.tensor(had, dtype=torch.float32)
             return
         stores = self.stores
@@ -212,6 +213,45 @@ class FusedZeroAdam(EngineOptimizer):
             self._step_buffer += 1
         else:
             self._step_buffer += torch.tensor(had, dtype=torch.float32)
+
+    def _update_lowbit(self, had, scale):
+        """The update over LowBitStores: one fused_adam_lowbit_ call per (param group, step count),
+        over each param's piece of each shard, with the piece's block scales and the global index
+        of its first element ([Note: reproducible rounding])."""
+        steps = self._steps
+        calls = {}  # (param group, step) -> the call's lists
+        int8 = self.state_policy.precision == "int8"
+        starts = self.engine.global_starts
+        for store, pieces in zip(self.stores, self._pieces):
+            if not store.master_valid:
+                store.refresh_master()
+            master, grad, m, v, model = store.operands()
+            scales = store.scales()
+            for t, off, n, start in pieces:
+                if not (had[t] and n):
+                    continue
+                sl = slice(off, off + n)
+                c = calls.setdefault((self._group_of[t], steps[t] + 1), {k: [] for k in (
+                    "params", "grads", "m", "v", "model", "ms", "vs", "bases")})
+                c["params"].append(master[sl])
+                c["grads"].append(grad[sl])
+                c["m"].append(m[sl])
+                c["v"].append(v[sl])
+                if model is not None:
+                    c["model"].append(model[sl])
+                if scales is not None:
+                    c["ms"].append(scales["exp_avg"][block_slice(off, n)])
+                    c["vs"].append(scales["exp_avg_sq"][block_slice(off, n)])
+                c["bases"].append(starts[t] + start)
+        for (pg, step), c in calls.items():
+            group = self.param_groups[pg]
+            fused_adam_lowbit_(c["params"], c["grads"], c["m"], c["v"], lr=group["lr"], beta1=group["betas"][0],
+                               beta2=group["betas"][1], eps=group["eps"], weight_decay=group["weight_decay"],
+                               step=step, adam_w_mode=self.options.adam_w_mode,
+                               bias_correction=self.options.bias_correction, grad_scale=scale,
+                               model_params=c["model"] or None, exp_avg_scales=c["ms"] if int8 else None,
+                               exp_avg_sq_scales=c["vs"] if int8 else None, index_bases=c["bases"],
+                               seed=self.state_policy.seed, backend=self.options.backend)
 
     # --- state dicts (optim/state_dict.py) ------------------------------------
 

@@ -275,9 +275,9 @@ class FlatParams:
     def after_step(self, had) -> None:
         """The full grad buffers were freed after step() (stages 2 and 3): a param that had a grad
         holds a CONSUMED placeholder, as torch would still hold its grad; the others None.
-        had[i]: params[i] had a grad on some rank this step."""
+        had[m.t]: member m had a grad on some rank this step."""
         for i, m in enumerate(self.members):
-            if had[i]:
+            if had[m.t]:
                 self.set_grad(i, self.placeholder(i, CONSUMED))
             elif m.param.grad is not None:
                 self.set_grad(i, None)
@@ -455,6 +455,50 @@ def make_unit(params, names, runs, comm, config: ShardConfig, name: str) -> Shar
     for p in unit.params:
         _OWNER[p] = weakref.ref(unit)
     return unit
+
+
+def forward_order(units, index):
+    """zerokern.shard units in the order a forward runs their pre-hooks: a unit before the units
+    inside its module, siblings in the order their params were registered."""
+    def key(u):
+        module = u.module()
+        inside = [index[p] for p in module.parameters() if p in index] if module is not None else []
+        inside = inside or [index[p] for p in u.params]
+        return min(inside), -len(inside)
+    return sorted(units, key=key)
+
+
+def owner_of(params):
+    """The one optimizer (FusedZeroAdam, ZeroOptimizer) whose engine trains every tensor in `params`,
+    else None (none given, one not owned, or owners that differ). Integrations ask this before
+    changing what they do."""
+    owner = None
+    for p in params:
+        u = unit_of(p)
+        engine = u.schedule.owner() if u is not None and u.schedule is not None and u.schedule.owner else None
+        opt = engine.optimizer() if engine is not None else None
+        if opt is None or (owner is not None and opt is not owner):
+            return None
+        owner = opt
+    return owner
+
+
+def check_free(owned, index):
+    """The units zerokern.shard() made are this optimizer's to take: not another's, none of their
+    params frozen since, all of them given."""
+    for u in owned:
+        if u.schedule is not None:
+            raise ValueError(f"zerokern: unit '{u.name}' already belongs to another optimizer; "
+                             "build one optimizer over all of a model's params")
+        frozen = [m.name for f in u.flat for m in f.members if not m.param.requires_grad]
+        if frozen:
+            raise ValueError(f"zerokern: {frozen[0]} (unit '{u.name}') was trainable when zerokern.shard() made the "
+                             "unit and is frozen now (requires_grad=False): freeze it before shard(), or keep it "
+                             "trainable and give it lr=0 in a param group of its own")
+        missing = [m.name for f in u.flat for m in f.members if m.param not in index]
+        if missing:
+            raise ValueError(f"zerokern: {missing[0]} (unit '{u.name}') is trainable but not in this "
+                             "optimizer's params: pass all of the unit's params, or freeze it before shard()")
 
 
 def _pre_hook(unit_ref, k: int, i: int):

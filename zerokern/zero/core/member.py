@@ -14,11 +14,12 @@ import torch
 
 
 class Member:
-    __slots__ = ("param", "index", "local_name", "name", "shape", "bound", "ptr", "version", "empty_version")
+    __slots__ = ("param", "index", "t", "local_name", "name", "shape", "bound", "ptr", "version", "empty_version")
 
     def __init__(self, param: torch.Tensor, index: int, name: str):
         self.param = param
         self.index = index  # in its FlatParams (backward order): what the layout's slots are numbered by
+        self.t: Optional[int] = None  # among the trainable params of the optimizer that owns its unit
         self.local_name = name  # relative to the unit's module
         self.name = name  # from the root once the unit is named (ShardUnit.name_from)
         self.shape = param.shape  # at stage 3 param.shape is [0] while the unit is sharded

@@ -95,11 +95,13 @@ class GatherAfterStep:
     """Stages 1/2: the buckets' gathers after each update, in the order the next forward uses
     them, and (with overlap_param_gather) the module pre-hooks that wait for them."""
 
-    def __init__(self, comm, stores):
+    def __init__(self, comm, stores, overlap: bool = False):
         """stores: the ShardStores in the order the next forward uses them (the reverse of backward's);
-        none where nothing is gathered (one rank, or stage 0)."""
+        none where nothing is gathered (one rank, or stage 0). overlap: overlap_param_gather (the
+        gathers are waited for by the next forward's hooks, not at once)."""
         self.comm = comm
         self.stores = stores
+        self.overlap = overlap
         self.buckets = [BucketParams(s.flat, s.b, comm, frees=False) for s in stores]
         self._pending = 0  # buckets in GATHERING: 0 makes every hook return at once
 
@@ -114,6 +116,8 @@ class GatherAfterStep:
             bp.release()
             bp.launch()
         self._pending = len(self.buckets)
+        if not self.overlap:
+            self.wait_all()
 
     def wait(self, ks) -> None:
         """GATHERING -> GATHERED for these buckets (by index into stores)."""

@@ -1,0 +1,39 @@
+"""What FusedZeroAdam's low-bit state (state_precision "bf16"/"int8", or master_weights=False)
+cannot do, refused at construction, and where a piece's block scales lie in a shard. The update
+itself is FusedZeroAdam._update_lowbit."""
+
+import torch
+
+from ..kernels import lowbit
+from ..kernels.lowbit_ops import lowbit_backend
+
+
+def check_lowbit_options(policy, engine, names, backend):
+    """What state_precision / master_weights cannot do, refused at construction, naming the param."""
+    if any(u.config.offload is not None for u in engine.units):
+        raise ValueError("zerokern: offload with state_precision='bf16'/'int8' or master_weights=False is not "
+                         "offered yet; use offload=None (the low-bit state is the smaller saving on the device)")
+    if engine.trainable:
+        lowbit_backend(backend, engine.trainable[0].device)  # one without a low-bit kernel says so here
+    if policy.master_weights:
+        return
+    for p in engine.trainable:
+        if p.dtype == torch.bfloat16:
+            continue
+        f, i = engine.locate(p)
+        name = names.get(p, f.members[i].name)
+        if p.dtype == torch.float32:
+            raise ValueError(f"zerokern: {name} is float32: fp32 params are their own master weights, so "
+                             "master_weights=False would save nothing. Train bf16 params (model.to(torch.bfloat16)) "
+                             "or keep master_weights=True")
+        raise ValueError(f"zerokern: {name} is {str(p.dtype).removeprefix('torch.')}: master_weights=False is for "
+                         "bf16 params. fp16 has 5 exponent bits, so without an fp32 master small updates underflow "
+                         "and the loss scale would have to reach the params; use bf16 (the same 2 bytes, fp32's "
+                         "range) or keep master_weights=True")
+
+
+def block_slice(off, n):
+    """The block scales of elements [off, off + n) of a shard ([Note: int8 shards in blocks]: off
+    is a multiple of BLOCK)."""
+    first = off // lowbit.BLOCK
+    return slice(first, first + lowbit.num_blocks(n))

@@ -109,8 +109,7 @@ class ZeroEngine:
         # [Note: one collective order] in grads/schedule.py: buckets by when backward completes them.
         placed = sorted(((f, b) for u in self.units for f in u.flat for b in range(len(f.buckets))),
                         key=lambda fb: -min(index[fb[0].params[i]] for i in fb[0].layout.buckets[fb[1]].tensors))
-        self.schedule = ReduceSchedule([f.buckets[b] for f, b in placed], self.comm, config.overlap_comm,
-                                       lambda: self.agreement.after_backward())
+        self.schedule = ReduceSchedule([f.buckets[b] for f, b in placed], self.comm, config.overlap_comm)
         self.schedule.owner = weakref.ref(self)
         for u in self.units:
             u.schedule = self.schedule
@@ -128,6 +127,7 @@ class ZeroEngine:
         self.agreement = Agreement(self.comm, strategy, self.schedule, self.stores,
                                    [[tindex[f.params[i]] for i in f.layout.buckets[b].tensors] for f, b in placed],
                                    self.trainable, what)
+        self.schedule.after_backward = self.agreement.after_backward  # held weakly (grads/schedule.py)
         # per store, this rank's Piece of each of its params, in shard order
         self.pieces = [_pieces_of(s, tindex) for s in self.stores]
         # each trainable param's first element in the global count that keys stochastic rounding

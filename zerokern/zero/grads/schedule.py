@@ -41,8 +41,7 @@ class ReduceSchedule:
         # grad hooks hold the units, the units this schedule, and a strong reference to the
         # optimizer here would close a cycle through the hooks that the garbage collector does not
         # see (torch keeps tensor hooks in C++), keeping every dropped optimizer and its buffers.
-        self._after_backward = (weakref.WeakMethod(after_backward) if inspect.ismethod(after_backward)
-                                else (lambda: after_backward))
+        self.after_backward = after_backward
         self.owner = None  # a weak reference to the ZeroEngine driving this schedule
         self.state = BackwardState.IDLE
         self._next = 0  # buckets before this one were launched in the running backward
@@ -61,6 +60,14 @@ class ReduceSchedule:
         for b in buckets:
             if b.releases:
                 b.pool = self.pool
+
+    @property
+    def after_backward(self) -> Optional[Callable[[], None]]:
+        return self._after_backward()
+
+    @after_backward.setter
+    def after_backward(self, fn: Optional[Callable[[], None]]) -> None:
+        self._after_backward = weakref.WeakMethod(fn) if inspect.ismethod(fn) else (lambda: fn)
 
     # --- backward ------------------------------------------------------------
 
@@ -91,7 +98,7 @@ class ReduceSchedule:
             self._in_flight.clear()
             self._next = 0
             self.state = BackwardState.FINISHED
-            after = self._after_backward()
+            after = self.after_backward
             if after is not None:
                 after()
 

@@ -109,8 +109,8 @@ def overflow_checks_without_a_scaler(rank, world):
     torch.set_num_threads(1)
     model = net(torch.float32)
     opt = FusedZeroAdam(model.parameters(), lr=1e-2, zero_stage=2, bucket_cap_mb=1e-4)
-    calls, real = [], opt.engine.agreement._agreed_overflow
-    opt.engine.agreement._agreed_overflow = lambda *a: calls.append(1) or real(*a)
+    calls, real = [], opt.engine.agreement.agreed_overflow
+    opt.engine.agreement.agreed_overflow = lambda *a: calls.append(1) or real(*a)
     per_step = []
     for t, xs in enumerate(data(world)[:3]):
         opt.zero_grad()

@@ -9,7 +9,7 @@ from regression_workers import RandomNet
 from runtime_workers import gpt, gpt_loss, mine, reference_step, tokens
 from zerokern import FusedZeroAdam
 from zerokern.zero.grads.placeholder import ShardedGrad
-from zerokern.zero.grads.released import IN_FLIGHT_BUCKETS
+from zerokern.zero.grads.pool import IN_FLIGHT_BUCKETS
 from numerics import abs_diff
 
 

@@ -14,7 +14,6 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from .core.stage import GradMode
 from .grads import ddp_guard
 
 _MAX = torch.distributed.ReduceOp.MAX
@@ -54,9 +53,10 @@ class StepFlags:
 class Agreement:
     """The cross-rank agreements of one engine over its stores (in the schedule's order)."""
 
-    def __init__(self, comm, strategy, schedule, stores, members, trainable, what: str):
-        """members[k]: the trainable indices of store k's bucket's params (in bucket order)."""
-        self.comm, self.strategy, self.schedule, self.stores = comm, strategy, schedule, stores
+    def __init__(self, comm, strategy, path, schedule, stores, members, trainable, what: str):
+        """path: the grad path of every unit (grads/path.py); members[k]: the
+        trainable indices of store k's bucket's params (in bucket order)."""
+        self.comm, self.strategy, self.path, self.schedule, self.stores = comm, strategy, path, schedule, stores
         self.members, self.trainable, self.what = members, trainable, what
         self.check_fp16 = any(p.dtype == torch.float16 for p in trainable)
         self.scaler_in_use = True  # until a step() runs without a GradScaler ([Note: overflow on any rank])
@@ -152,40 +152,15 @@ class Agreement:
 
     def after_backward(self):
         """[Note: overflow on any rank] GradScaler checks each rank's local .grad, but where
-        those are local (stages 1/2 on several ranks) an inf/nan may be in another rank's
-        grads only, or appear in a reduced shard only (an fp16 sum overflowing). Check the
-        reduced shards, agree on one flag (all-reduce MAX) and, if set, write an inf into a
-        local grad, so every rank's scaler sees an overflow, skips and backs off alike. Any
-        dtype: fp32/bf16 params under autocast(fp16) use a scaler too. No host sync. At stage 2
-        only while a scaler is in use (see below)."""
-        if not self.strategy.local_grads or not self.stores:
-            return
-        if self.strategy.grads is GradMode.SCATTER_RELEASE:
-            # The placeholders in .grad answer the scaler from this flag ([Note: stage-2 .grad]).
-            # Only a scaler asks, so once step() has run without one (fp32, bf16 training) the
-            # pass over the shards is left out. The decision is the same on every rank (step()
-            # checks that the scalers agree). Asking when the flag was not computed here (the first
-            # steps ran without a scaler) gives this rank's flag, and step() raises if the ranks'
-            # scalers disagree. The same collective agrees on which params had a grad anywhere
-            # ([Note: who had a grad]).
-            usage = [float(got) for s in self.stores for got in s.bucket.got]
-            if self.scaler_in_use:
-                flag, usage = self._agreed_overflow(usage)
-                for s in self.stores:
-                    s.bucket.overflow = flag
-            else:
-                usage = self._agreed_usage(usage)
-            self._hand_out_placeholders(usage)
-            return
-        flag, _ = self._agreed_overflow()
-        for s in self.stores:
-            for i in s.bucket.plan.tensors:
-                p = s.flat.params[i]
-                if p.numel() and p.grad is not None:
-                    s.bucket.poke_overflow(p.grad.view(-1)[:1], flag)
-                    return
+        those are local (stages 1/2/3 on several ranks) an inf/nan may be in another rank's
+        grads only, or appear in a reduced shard only (an fp16 sum overflowing). The grad path
+        checks the reduced shards and has the ranks agree on one flag (all-reduce MAX), so every
+        rank's scaler sees an overflow, skips and backs off alike. Any dtype: fp32/bf16 params
+        under autocast(fp16) use a scaler too. No host sync."""
+        if self.strategy.local_grads and self.stores:
+            self.path.after_backward(self)
 
-    def _agreed_overflow(self, usage: Optional[List[float]] = None):
+    def agreed_overflow(self, usage: Optional[List[float]] = None):
         """(flag, usage): flag 1.0 if a reduced shard holds an inf/nan on any rank, else 0, and the
         usage flags MAX-ed over the ranks, in one all-reduce."""
         shards = [s.bucket.reduced_grad() for s in self.stores]
@@ -198,24 +173,10 @@ class Agreement:
         self.comm.wait(self.comm.all_reduce(flags, op=_MAX, name="overflow"))
         return flags[0], (flags[1:].tolist() if usage else usage)
 
-    def _agreed_usage(self, usage):
+    def agreed_usage(self, usage):
         flags = torch.tensor(usage, device=self.device)
         self.comm.wait(self.comm.all_reduce(flags, op=_MAX, name="grad_usage"))
         return flags.tolist()
-
-    def _hand_out_placeholders(self, usage):
-        """[Note: who had a grad] At stages 2/3 a param no backward on this rank reached keeps
-        .grad None, as torch's; one another rank's backward reached gets the placeholder of the
-        averaged grad, as DDP gives it. So every rank holds the same .grad kinds after a synced
-        backward, and a change of one (.grad = None, zero_()) happens on every rank, the shard's
-        owner too, at the same point of the collective order. One small all-reduce per synced
-        backward (DDP's find_unused_parameters pays the same)."""
-        k = 0
-        for s in self.stores:
-            for i, got in zip(s.bucket.plan.tensors, s.bucket.got):
-                if usage[k] > 0 and not got:
-                    s.flat.give_reduced_placeholder(i)
-                k += 1
 
     # --- the optimizer's construction ----------------------------------------------------
 

@@ -29,6 +29,7 @@ from .state.lowbit_store import StatePolicy
 from .params.materialize import in_scope, materialize
 from .params.per_unit import runtime_for
 from .core.stage import OffloadPolicy, ParamMode, ShardConfig
+from .grads.path import grad_path
 from .unit import ShardUnit, make_unit, unit_of  # noqa: F401 (unit_of re-exported)
 
 class ZeroModule:
@@ -128,7 +129,7 @@ def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket
     gathers_per_unit = strategy.params is ParamMode.GATHER_PER_UNIT
     if gathers_per_unit:  # shard() runs collectives from here on: agree first
         _check_same_on_every_rank(comm, module, config, params, names)
-    unit = make_unit(params, names, runs, comm, config, type(module).__name__)
+    unit = make_unit(params, names, runs, comm, config, type(module).__name__, grad_path(strategy))
     unit.init = init  # how its params were initialised, if materialised here (a root's init is checked against it)
     unit.module_slots = []
     for p, n in zip(params, names):

@@ -24,6 +24,7 @@ from .comm.hybrid import resolve_mesh
 from .core.stage import ParamMode, ShardConfig, optimizer_stage
 from .grad_norm import global_norm
 from .grads import ddp_guard
+from .grads.path import grad_path
 from .grads.schedule import ReduceSchedule
 from .params.gather import GatherAfterStep
 from .params.per_unit import runtime_for
@@ -103,8 +104,9 @@ class ZeroEngine:
                              "the root)")
         Agreement.same_model_on_every_rank(self.comm, what, all_params, [len(g) for g in groups], config, options)
         check_free(owned, index)
+        path = grad_path(strategy)  # the same for every unit: their configs agree (sharding())
         self.units = owned + ([make_unit(loose, [names.get(p, f"params[{index[p]}]") for p in loose],
-                                         [0] * len(loose), self.comm, config, "params")] if loose else [])
+                                         [0] * len(loose), self.comm, config, "params", path)] if loose else [])
         tindex = {p: k for k, p in enumerate(self.trainable)}
         # [Note: one collective order] in grads/schedule.py: buckets by when backward completes them.
         placed = sorted(((f, b) for u in self.units for f in u.flat for b in range(len(f.buckets))),
@@ -124,7 +126,7 @@ class ZeroEngine:
             self.stage3.expect_order(forward_order(owned, index))
         self.stores = [ShardStore(f, b, config.offload, state_keys) if state is None else LowBitStore(f, b, state)
                        for f, b in placed]
-        self.agreement = Agreement(self.comm, strategy, self.schedule, self.stores,
+        self.agreement = Agreement(self.comm, strategy, path, self.schedule, self.stores,
                                    [[tindex[f.params[i]] for i in f.layout.buckets[b].tensors] for f, b in placed],
                                    self.trainable, what)
         self.schedule.after_backward = self.agreement.after_backward  # held weakly (grads/schedule.py)

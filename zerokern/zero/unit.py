@@ -34,8 +34,7 @@ from .grads.bucket import GradBucket
 from .core.layout import plan_layout
 from .core.member import Member
 from .grads.placeholder import CONSUMED, ZERO, ShardedGrad
-from .core.stage import GradMode, OffloadPolicy, ParamMode, ShardConfig, Strategy  # noqa: F401 (re-exported)
-from .grads.released import ReleasingGradBucket
+from .core.stage import OffloadPolicy, ParamMode, ShardConfig, Strategy  # noqa: F401 (re-exported)
 from .core.states import BucketState
 from .params.storage import FlatBuffers
 
@@ -44,7 +43,9 @@ class FlatParams:
     """One dtype's trainable params of a unit (in backward order): a Member each, their buffers and
     grad buckets."""
 
-    def __init__(self, params, names, breaks, comm, config: ShardConfig, strategy: Strategy, unit_name: str):
+    def __init__(self, params, names, breaks, comm, config: ShardConfig, strategy: Strategy, unit_name: str, grads):
+        """grads: the grad path (grads/path.py: grad_path(strategy))."""
+        self.grads = grads
         self.members = [Member(p, i, n) for i, (p, n) in enumerate(zip(params, names))]
         self.params = tuple(params)  # members' params, for code that wants the tensors (fixed for good)
         self.unit_name = unit_name
@@ -56,22 +57,11 @@ class FlatParams:
         self.param_bufs.bind_params(params)
         for m in self.members:  # where each param's data must stay now ([Note: ownership]), its version there
             m.ptr, m.version = m.param.data_ptr(), m.param._version
-        dt = str(self.dtype).replace("torch.", "")
-        # [Note: stage-2 memory]: full grad buffers live only until their reduction completes
-        self.releases = strategy.grads is GradMode.SCATTER_RELEASE
         # [Note: stage-3 params]: this rank keeps only its slice of each param bucket (set by
         # shard_params(); the full buffers then hold values only while the unit is gathered)
         self.shards_params = strategy.params is ParamMode.GATHER_PER_UNIT
         self.param_shards: Optional[List[torch.Tensor]] = None
-        if self.releases:
-            self.buckets = [ReleasingGradBucket(self.layout, b, self.dtype, self.device, comm, self.rank, True,
-                                                f"{unit_name}:{dt}:{b.index}", on_release=self._released,
-                                                on_launch=self._reconcile)
-                            for b in self.layout.buckets]
-        else:
-            self.buckets = [GradBucket(self.layout, b, self.dtype, self.device, comm, self.rank,
-                                       strategy.reduce_scatters, f"{unit_name}:{dt}:{b.index}")
-                            for b in self.layout.buckets]
+        self.buckets = grads.make_buckets(self, comm, strategy)
         self.changed = set()  # params adopted with new values since the stores last looked
         for i, m in enumerate(self.members):
             if m.param.grad is None:
@@ -124,24 +114,6 @@ class FlatParams:
             return ShardedGrad(m.param, m.name, self.bucket_of(i), i, m.shape)
         return ShardedGrad(m.param, m.name, self.bucket_of(i), i, m.shape, kind)
 
-    # --- stage 2 ([Note: stage-2 memory], [Note: stage-2 .grad]) -------------------------
-
-    def _released(self, bucket) -> None:
-        """A stage-2 bucket's full buffer is going back to the pool: its members' .grad become
-        placeholders, also where this rank had no grad: the shard may hold other ranks' part, as DDP
-        gives a param unused on one rank the averaged grad."""
-        for i in bucket.plan.tensors:
-            m = self.members[i]
-            g = m.param.grad
-            if bucket.has_grad(i) and (g is None or isinstance(g, ShardedGrad) or bucket.is_view(i, g, m.shape)):
-                self.set_grad(i, self.placeholder(i))
-
-    def give_reduced_placeholder(self, i: int) -> None:
-        """params[i] had no grad on this rank but had one on another ([Note: who had a grad] in
-        engine.py): its .grad becomes the placeholder of the averaged grad, as DDP gives it."""
-        if self.members[i].param.grad is None:
-            self.set_grad(i, self.placeholder(i))
-
     def sync_grad(self, i: int) -> None:
         """What the user did to params[i].grad since the runtime bound it: a grad assigned by hand
         (no backward, so no hook) moves into its bucket; one set to None (torch's way to skip a
@@ -152,51 +124,12 @@ class FlatParams:
             if isinstance(g, ShardedGrad) and g.kind is CONSUMED:
                 bucket.stale_accumulation = True  # a grad the last step used, still held: step() raises
             return
-        if self.releases:
-            self.take_grad_change(i)
+        self.grads.grad_changed(self, i)
         if g is None:
             bucket.clear_got(i)
         elif not bucket.is_view(i, g, m.shape):
             self.bind_grad(i)
             bucket.mark_got(i, False)
-
-    def _reconcile(self, bucket) -> None:
-        """Stage 2, just before the bucket's launch: its members' .grad changes are taken now, at the
-        same point of the collective order on every rank, so a reduced grad the user dropped is
-        zeroed in the shard before any rank adds a new reduction to it."""
-        for i in bucket.plan.tensors:
-            self.sync_grad(i)
-
-    def take_grad_change(self, i: int) -> None:
-        """Stage 2: a .grad the user replaced (None or a tensor) since the runtime bound it: the
-        param's reduced grad of this round is forgotten, as torch forgets a grad it no longer holds
-        (its pending part, if any, is zeroed by prepare_grad() or launch())."""
-        m = self.members[i]
-        # Also where this rank had no grad (bound None): the shard holds the other ranks' part.
-        if m.param.grad is not m.bound:
-            self.bucket_of(i).drop_reduced(i)
-            if isinstance(m.bound, ShardedGrad):
-                m.bound = None
-
-    def prepare_grad(self, i: int) -> None:
-        """Stage 2, before autograd adds a grad for params[i]. A .grad that views the pending
-        buffer takes the add in place (accumulation). A grad assigned by hand moves into the
-        buffer and autograd adds to it, as torch would. Otherwise (None, a placeholder, a dropped
-        view) .grad becomes None: autograd then hands over its new grad, and the hook copies it
-        into the buffer (taken from the pool), which so needs no zeroing ([Note: zeroing on
-        demand] in grads/released.py)."""
-        m, bucket = self.members[i], self.bucket_of(i)
-        g = m.param.grad
-        if bucket.is_view(i, g, m.shape):
-            return
-        self.take_grad_change(i)
-        if isinstance(g, torch.Tensor) and not isinstance(g, ShardedGrad):
-            view = bucket.view_for_overwrite(i, m.shape)
-            view.copy_(g)
-            bucket.note_write()
-            self.set_grad(i, view)
-        else:
-            self.set_grad(i, None)
 
     def param_shard(self, b: int) -> torch.Tensor:
         """This rank's slice of param bucket b: a view of the full buffer, or at stage 3 (once
@@ -301,26 +234,15 @@ class FlatParams:
                 self.set_grad(i, self.placeholder(i, ZERO))
                 bucket.mark_got(i, False)
 
-    def before_accumulate(self, i: int) -> None:
-        """Autograd is about to add a grad for params[i] (a hook before its accumulation)."""
-        m, bucket = self.members[i], self.bucket_of(i)
-        g = m.param.grad
-        if isinstance(g, ShardedGrad) and g.kind is CONSUMED:
-            bucket.stale_accumulation = True  # step() raises on every rank ([Note: grads after step])
-        if self.releases:
-            self.prepare_grad(i)
-        elif g is None or isinstance(g, ShardedGrad):
-            # torch starts from no grad: a zeroed slot, which autograd adds into in place
-            self.set_grad(i, bucket.zeroed_view(i, m.shape))
-
 
 class ShardUnit:
     """The trainable params of one module (not those of units inside it), flattened per dtype."""
 
     def __init__(self, params: Sequence[torch.Tensor], names: Sequence[str], runs: Sequence[int], comm,
-                 config: ShardConfig, name: str):
+                 config: ShardConfig, name: str, grads):
         """params/names/runs in registration order; runs[k] numbers the stretch of the
-        module's params (between other units' params) that params[k] belongs to."""
+        module's params (between other units' params) that params[k] belongs to. grads: the grad
+        path of the unit's stage (grads/path.py: grad_path)."""
         self.comm, self.config, self.name = comm, config, name
         self.strategy = config.strategy(comm.world_size)  # what the stage means here (core/stage.py)
         self.schedule = None  # the ReduceSchedule of the optimizer that owns this unit, once one does
@@ -335,7 +257,7 @@ class ShardUnit:
             ks = [k for k in trainable if params[k].dtype == dtype][::-1]  # backward order
             breaks = [j for j in range(1, len(ks)) if runs[ks[j]] != runs[ks[j - 1]]]
             self.flat.append(FlatParams([params[k] for k in ks], [names[k] for k in ks], breaks, comm, config,
-                                         self.strategy, name))
+                                         self.strategy, name, grads))
         self._where = {}
         for f in self.flat:
             for i, p in enumerate(f.params):
@@ -446,12 +368,13 @@ def unit_of(param: torch.Tensor) -> Optional[ShardUnit]:
     return ref() if ref is not None else None
 
 
-def make_unit(params, names, runs, comm, config: ShardConfig, name: str) -> ShardUnit:
+def make_unit(params, names, runs, comm, config: ShardConfig, name: str, grads) -> ShardUnit:
+    """A ShardUnit over params no unit owns yet (grads: its grad path), registered as their owner."""
     for p, n in zip(params, names):
         owner = unit_of(p)
         if owner is not None:
             raise ValueError(f"zerokern: {n} is already sharded by unit '{owner.name}'")
-    unit = ShardUnit(params, names, runs, comm, config, name)
+    unit = ShardUnit(params, names, runs, comm, config, name, grads)
     for p in unit.params:
         _OWNER[p] = weakref.ref(unit)
     return unit
@@ -516,8 +439,7 @@ def _pre_hook(unit_ref, k: int, i: int):
         bucket = f.bucket_of(i)
         if bucket.state is BucketState.IN_FLIGHT:
             bucket.wait()
-        if f.releases or not bucket.is_view(i, m.param.grad, m.shape):  # the usual case: a bound view
-            f.before_accumulate(i)
+        f.grads.before_accumulate(f, i)
     return pre_hook
 
 

@@ -38,7 +38,7 @@ class GradBucket:
     ranks, this rank's reduced shard (kept). Stage 2 on several ranks is
     ReleasingGradBucket (grads/released.py)."""
 
-    releases = False  # the full buffer is kept until step()/zero_grad()
+    draws_from_pool = False  # the full buffer is its own, kept until step()/zero_grad()
 
     def __init__(self, layout: FlatLayout, plan: Bucket, dtype, device, comm, rank: int, scatters: bool, name: str):
         self.layout, self.plan = layout, plan

@@ -30,6 +30,8 @@ collective without record_stream.
 
 import torch
 
+IN_FLIGHT_BUCKETS = 2  # reductions in flight at once in a stage-2 backward (each holds a full buffer)
+
 
 class GradBufferPool:
     def __init__(self, keep: int, unit=None):

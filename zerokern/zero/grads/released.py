@@ -1,5 +1,6 @@
-"""ReleasingGradBucket: a stage-2 bucket on several ranks, whose full gradient
-buffer lives only while it is accumulated or reduced.
+"""ReleasingGradBucket: a bucket of the released-grads path (stages 2 and 3 on several ranks,
+ReleasedGrads in path.py), whose full gradient buffer lives only while it is accumulated or
+reduced.
 
 [Note: stage-2 memory] At stage 2 the reduced shard is the truth, not the
 local grads (contrast [Note: the local grads are the truth] in grads/bucket.py, which
@@ -36,19 +37,16 @@ in comm/base.py).
 
 import torch
 
-from .bucket import GradBucket
 from ..core.states import BucketState
-
-IN_FLIGHT_BUCKETS = 2  # reductions in flight at once in a stage-2 backward (each holds a full buffer)
-
+from .bucket import GradBucket
 
 class ReleasingGradBucket(GradBucket):
-    releases = True
+    draws_from_pool = True
 
     def __init__(self, *args, on_release, on_launch, **kwargs):
         super().__init__(*args, **kwargs)
-        self.on_release = on_release  # FlatParams: the members' .grad views become placeholders
-        self.on_launch = on_launch  # FlatParams: the members' .grad changes are taken (see drop_reduced)
+        self.on_release = on_release  # ReleasedGrads.released: the members' .grad views become placeholders
+        self.on_launch = on_launch  # ReleasedGrads.reconcile: the members' .grad changes are taken (drop_reduced)
         self.pool = None  # set by the ReduceSchedule that owns the bucket; plain allocation until then
         self._base = None  # the pool buffer self.full is a prefix of
         self._scratch = None  # where the running reduction leaves its result, if not in self.shard

@@ -26,8 +26,7 @@ from typing import Callable, List, Optional
 import torch
 
 from .bucket import GradBucket
-from .pool import GradBufferPool
-from .released import IN_FLIGHT_BUCKETS
+from .pool import IN_FLIGHT_BUCKETS, GradBufferPool
 from ..core.states import BackwardState
 
 
@@ -53,12 +52,12 @@ class ReduceSchedule:
         # buckets being filled and the one a tied embedding holds open (zerokern/plan counts those).
         unit = {}
         for b in buckets:
-            if b.releases and len(b.plan.tensors) > 1:
+            if b.draws_from_pool and len(b.plan.tensors) > 1:
                 unit[b.dtype] = max(unit.get(b.dtype, 0), b.plan.padded_numel)
         self.pool = GradBufferPool(keep=IN_FLIGHT_BUCKETS + 3, unit=unit)
         self._in_flight = deque()
         for b in buckets:
-            if b.releases:
+            if b.draws_from_pool:
                 b.pool = self.pool
 
     @property
@@ -84,7 +83,7 @@ class ReduceSchedule:
 
     def _launch(self, bucket: GradBucket) -> None:
         bucket.launch()
-        if bucket.releases:
+        if bucket.draws_from_pool:  # its buffer goes back when it is waited for
             self._in_flight.append(bucket)
             while len(self._in_flight) > IN_FLIGHT_BUCKETS:
                 self._in_flight.popleft().wait()  # its full buffer goes back to the pool

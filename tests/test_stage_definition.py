@@ -32,3 +32,30 @@ def test_the_check_finds_a_stage_read():
                  "sharded = self.comm.distributed and self.zero_stage >= 1", "if 2 == stage:"):
         assert READ.search(line), line
     assert not READ.search("self.zero_stage = config.stage")
+
+
+# Issue 36: the modes are behaviour. Outside the stage definition, only the grad path
+# (grads/path.py) and the param policy (params/policy.py) ask which mode a unit is in; the other
+# files call the objects those two hand out.
+MODE_FILES = {DEFINITION, ROOT / "zero" / "grads" / "path.py", ROOT / "zero" / "params" / "policy.py"}
+MODE = re.compile(r"\.releases\b|\breleases\s*=|shards_params|param_shards\s+is\s+(not\s+)?None|"
+                  r"stage3\s+is\s+(not\s+)?None|\b(GradMode|ParamMode)\.")
+
+
+def test_only_the_stage_definition_and_the_two_policies_ask_the_mode():
+    offenders = []
+    for path in sorted(ROOT.rglob("*.py")):
+        if path in MODE_FILES or "plan" in path.relative_to(ROOT).parts:
+            continue
+        for k, line in enumerate(path.read_text().splitlines(), 1):
+            if MODE.search(_code(line)):
+                offenders.append(f"{path.relative_to(ROOT.parent)}:{k}: {line.strip()}")
+    assert not offenders, "modes asked outside the stage definition and the policies:\n" + "\n".join(offenders)
+
+
+def test_the_mode_check_finds_a_mode_read():
+    for line in ("if self.releases:", "if f.shards_params:", "if f.param_shards is not None:",
+                 "if self.stage3 is None:", "grads is GradMode.SCATTER_RELEASE", "opt.strategy.params is ParamMode.WHOLE",
+                 "releases = True"):
+        assert MODE.search(line), line
+    assert not MODE.search("self.param_shards = [buf.shard(b) for b in range(n)]")

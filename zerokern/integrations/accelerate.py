@@ -53,7 +53,6 @@ import torch.distributed.checkpoint as dcp
 from ..zero.unit import owner_of
 from ..zero.api import full_state_dict
 from ..optim.state_dict import FORMAT
-from ..zero.core.stage import ParamMode
 
 
 OPTIMIZER_DIR = "optimizer_zerokern"
@@ -128,7 +127,7 @@ def attach(accelerator):
     def zero_get_state_dict(model, unwrap=True):
         inner = accelerator.unwrap_model(model)
         opt = owner_of(_trainable(inner.parameters()))
-        if opt is not None and opt.strategy.params is ParamMode.GATHER_PER_UNIT:
+        if opt is not None and opt.engine.param_policy.state_dict_is_collective:
             # Stage 3: each rank holds slices; the whole weights are gathered (a collective on every
             # rank, as Accelerate's FSDP and DeepSpeed ZeRO-3 paths) onto the main process, {} elsewhere.
             return full_state_dict(inner)

@@ -37,7 +37,6 @@ from transformers import Trainer
 from ..optim import FusedZeroAdam
 from .accelerate import attach
 from .dcp import load_optimizer, save_optimizer
-from ..zero.core.stage import ParamMode
 
 OPTIMIZER_DIR = "optimizer_zerokern"
 SCHEDULER_NAME = "scheduler.pt"  # as transformers.trainer.SCHEDULER_NAME
@@ -74,7 +73,7 @@ class ZeroTrainer(Trainer):
 
     def save_model(self, output_dir=None, _internal_call=False):
         opt = self._zero_optimizer()
-        if opt is None or opt.strategy.params is not ParamMode.GATHER_PER_UNIT:
+        if opt is None or not opt.engine.param_policy.state_dict_is_collective:
             return super().save_model(output_dir, _internal_call)
         # Stage 3: each rank holds slices of the weights. As Trainer's FSDP and DeepSpeed branches:
         # every rank gathers (the attached accelerator's get_state_dict, a collective), rank 0 writes.

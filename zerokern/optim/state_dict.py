@@ -35,7 +35,7 @@ SLICED = ("exp_avg", "exp_avg_sq", "master_param")
 MOMENTS = ("exp_avg", "exp_avg_sq")
 SECOND = {"exp_avg": False, "exp_avg_sq": True}  # int8 exp_avg_sq holds its square root (lowbit.encode_moment)
 SCALE = "_scale"  # "exp_avg_scale": int8 codes' block scales, sliced by blocks ([Note: int8 shards in blocks])
-def _slice_of(t):
+def slice_of(t):
     """(start, n, numel) of a marked slice, else None."""
     shape, offsets = getattr(t, "global_shape", None), getattr(t, "global_offsets", None)
     if shape is None or offsets is None:
@@ -245,7 +245,7 @@ def _my_slice(t, shape, start, n, k, key, rank, mine_too):
     numel = shape.numel()
     if t.dim() > 1 and tuple(t.shape) != tuple(shape):  # same numel, another shape: torch refuses it too
         raise ValueError(f"state[{k}]['{key}'] has shape {list(t.shape)}, but param {k} has shape {list(shape)}")
-    where = _slice_of(t)
+    where = slice_of(t)
     if where is not None and where[2] == numel and where[:2] == (start, n):
         return t.reshape(-1)
     if where is None and t.numel() == numel:

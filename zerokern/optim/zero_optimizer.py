@@ -167,7 +167,7 @@ class ZeroOptimizer(EngineOptimizer):
             numel, out = self._numel(t), {}
             for key, v in st.items():
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    where = checkpoint._slice_of(v)
+                    where = checkpoint.slice_of(v)
                     if where is not None and where != (start, n, numel):
                         raise ValueError(f"ZeroOptimizer: state[{index[p]}]['{key}'] is the slice {where[:2]} of "
                                          f"{where[2]} elements, but this rank holds [{start}, {start + n}) of "

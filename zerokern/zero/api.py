@@ -15,7 +15,6 @@ gathers them. Without shard(), FusedZeroAdam(params) makes one unit of the
 params itself.
 """
 
-import hashlib
 import weakref
 from typing import Callable, Dict, List, Optional
 
@@ -26,10 +25,10 @@ from .grads import ddp_guard
 from .params import model_state
 from .comm.factory import comm_for
 from .state.lowbit_store import StatePolicy
-from .params.materialize import in_scope, materialize
-from .params.per_unit import runtime_for
-from .core.stage import OffloadPolicy, ParamMode, ShardConfig
+from .params.materialize import materialize
+from .core.stage import OffloadPolicy, ShardConfig
 from .grads.path import grad_path
+from .params.policy import param_policy
 from .unit import ShardUnit, make_unit, unit_of  # noqa: F401 (unit_of re-exported)
 
 class ZeroModule:
@@ -126,10 +125,9 @@ def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket
             raise ValueError(f"zerokern.shard: {n} is on the meta device; materialise the module first "
                              "(module.to_empty(device=...) and initialise it), or shard it with stage=3, which "
                              "materialises one unit at a time")
-    gathers_per_unit = strategy.params is ParamMode.GATHER_PER_UNIT
-    if gathers_per_unit:  # shard() runs collectives from here on: agree first
-        _check_same_on_every_rank(comm, module, config, params, names)
-    unit = make_unit(params, names, runs, comm, config, type(module).__name__, grad_path(strategy))
+    policy = param_policy(strategy)
+    policy.before_unit(comm, module, config, params, names)  # stage 3: shard() runs collectives from here on
+    unit = make_unit(params, names, runs, comm, config, type(module).__name__, grad_path(strategy), policy)
     unit.init = init  # how its params were initialised, if materialised here (a root's init is checked against it)
     unit.module_slots = []
     for p, n in zip(params, names):
@@ -144,23 +142,7 @@ def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket
             m._zerokern_unit.name_from(path)
     module._zerokern_unit = unit
     module.register_forward_pre_hook(_forward_pre_hook)
-    if gathers_per_unit:
-        # Frozen params and buffers stay whole on every rank; they take rank 0's values too (a meta
-        # init may have drawn them from each rank's own generator). The trainable ones: runtime.add.
-        whole = {id(t): t for m in in_scope(module, lambda c: isinstance(c, ZeroModule))
-                 for t in list(m._parameters.values()) + list(m._buffers.values())
-                 if t is not None and not (isinstance(t, torch.nn.Parameter) and t.requires_grad)}
-        comm.broadcast_from_first(list(whole.values()))
-        runtime = runtime_for(comm)
-        runtime.add(unit)  # [Note: stage-3 params]: this rank keeps its slice from now on
-        if comm.distributed:
-            from .params.generate import sync_generate
-            sync_generate(module)  # each forward gathers: every rank must run as many
-        for n, p in module.named_parameters(remove_duplicate=False):
-            other = unit_of(p)  # a param of another unit held here too (a tied head): gathered for its use here
-            holder = module.get_submodule(n.rpartition(".")[0])
-            if other is not None and other is not unit and not _inside(holder, other):
-                runtime.add_foreign_use(holder, other)
+    policy.after_unit(comm, module, unit, lambda m: isinstance(m, ZeroModule), unit_of)
     cls = module.__class__
     if cls not in _CLASSES:
         _CLASSES[cls] = type(f"Zero{cls.__name__}", (ZeroModule, cls), {})
@@ -183,17 +165,8 @@ def full_state_dict(model: torch.nn.Module, *, rank0_only: bool = True, device="
         unit = unit_of(p)
         comm = comm or (unit.comm if unit is not None else None)
         where = unit.locate(p) if unit is not None else None
-        if where is None or not where[0].shards_params or id(p) in whole:
-            continue
-        keep = not rank0_only or comm.leads
-        f = where[0]
-        for b, bucket in enumerate(f.layout.buckets):  # the whole FlatParams at once: the same order everywhere
-            full = f.param_shards[b].new_empty(bucket.padded_numel)
-            comm.wait(comm.all_gather(full, f.param_shards[b], name=f"full_state_dict[{f.buckets[b].name}]"))
-            for i in bucket.tensors:
-                slot = f.layout.slots[i]
-                value = full[slot.offset:slot.offset + slot.numel].view(f.members[i].shape)
-                whole[id(f.params[i])] = value.to(device, copy=True) if keep else None
+        if where is not None and id(p) not in whole:
+            where[0].params_policy.gather_whole(where[0], comm, not rank0_only or comm.leads, device, whole)
     leads = comm.leads if comm is not None else (dist.get_rank() == 0 if dist.is_initialized() else True)
     if rank0_only and not leads:
         return {}
@@ -230,30 +203,10 @@ def _inner_params(module):
             continue
         unit = m._zerokern_unit
         for f in unit.flat:
-            if f.shards_params:
-                for i, p in enumerate(f.params):
-                    out.append((f"{path}.{f.members[i].local_name}", p, getattr(unit, "init", None),
-                                lambda f=f, i=i: f.forget_empty_write(i)))
+            for i in f.params_policy.empty_between_gathers(f):
+                out.append((f"{path}.{f.members[i].local_name}", f.params[i], getattr(unit, "init", None),
+                            lambda f=f, i=i: f.forget_empty_write(i)))
     return out
-
-
-def _check_same_on_every_rank(comm, module, config, params, names) -> None:
-    """One collective: every rank shards the same params with the same options, or every rank
-    raises, listing what each rank has (a mismatch would otherwise pair broadcasts of other sizes)."""
-    desc = repr((config, [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for p, n in zip(params, names)]))
-    mine = (hashlib.sha256(desc.encode()).hexdigest()[:16], len(params), sum(p.numel() for p in params), repr(config))
-    everyone = comm.differing(mine, f"zerokern.shard({type(module).__name__}, stage=3)")
-    if everyone is not None:
-        lines = [f"rank {r}: {n} params, {numel} elements, names/shapes/dtypes #{h}, {cfg}"
-                 for r, (h, n, numel, cfg) in enumerate(everyone)]
-        raise ValueError(f"zerokern.shard({type(module).__name__}, stage=3): the ranks shard different params or "
-                         "options; every rank must shard the same model the same way:\n  " + "\n  ".join(lines))
-
-
-def _inside(module, unit) -> bool:
-    """Is `module` the unit's module or inside it?"""
-    root = unit.module()
-    return root is not None and any(m is module for m in root.modules())
 
 
 _CLASSES: Dict[type, type] = {}  # module class -> its ZeroModule subclass (one each, as FSDP2)

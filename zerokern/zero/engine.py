@@ -21,13 +21,12 @@ import torch
 from .agreement import Agreement
 from .comm.factory import comm_for
 from .comm.hybrid import resolve_mesh
-from .core.stage import ParamMode, ShardConfig, optimizer_stage
+from .core.stage import ShardConfig, optimizer_stage
 from .grad_norm import global_norm
 from .grads import ddp_guard
 from .grads.path import grad_path
 from .grads.schedule import ReduceSchedule
-from .params.gather import GatherAfterStep
-from .params.per_unit import runtime_for
+from .params.policy import param_policy
 from .state.lowbit_store import LowBitStore
 from .state.store import ShardStore
 from .step import Piece, RoundFlags, Step
@@ -105,8 +104,10 @@ class ZeroEngine:
         Agreement.same_model_on_every_rank(self.comm, what, all_params, [len(g) for g in groups], config, options)
         check_free(owned, index)
         path = grad_path(strategy)  # the same for every unit: their configs agree (sharding())
+        self.param_policy = param_policy(strategy)
         self.units = owned + ([make_unit(loose, [names.get(p, f"params[{index[p]}]") for p in loose],
-                                         [0] * len(loose), self.comm, config, "params", path)] if loose else [])
+                                         [0] * len(loose), self.comm, config, "params", path,
+                                         param_policy(strategy))] if loose else [])
         tindex = {p: k for k, p in enumerate(self.trainable)}
         # [Note: one collective order] in grads/schedule.py: buckets by when backward completes them.
         placed = sorted(((f, b) for u in self.units for f in u.flat for b in range(len(f.buckets))),
@@ -119,11 +120,7 @@ class ZeroEngine:
                 for m in f.members:
                     m.t = tindex[m.param]  # its index among this optimizer's trainable params
         self._broadcast_params()  # before the stores read their masters
-        # [Note: stage-3 params] in params/per_unit.py: shard() sharded them; the runtime gathers in forward and backward
-        self.stage3 = None
-        if strategy.params is ParamMode.GATHER_PER_UNIT:
-            self.stage3 = runtime_for(self.comm)
-            self.stage3.expect_order(forward_order(owned, index))
+        self.stage3 = self.param_policy.start(self.comm, forward_order(owned, index))  # stage 3's runtime, or None
         self.stores = [ShardStore(f, b, config.offload, state_keys) if state is None else LowBitStore(f, b, state)
                        for f, b in placed]
         self.agreement = Agreement(self.comm, strategy, path, self.schedule, self.stores,
@@ -139,13 +136,11 @@ class ZeroEngine:
             starts.append(starts[-1] + f.members[i].shape.numel())
         self.global_starts = starts[:-1]
         # [Note: gather behind forward]: the next forward uses the buckets in the reverse of backward's order
-        gathered = strategy.params is ParamMode.GATHER_AFTER_STEP
         in_order = self.stores[::-1]
         if config.overlap_param_gather:  # unit by unit, as the forward reaches them (sort is stable)
             position = {id(u): k for k, u in enumerate(forward_order(owned, index))}
             in_order = sorted(in_order, key=lambda s: position[id(unit_of(s.flat.params[0]))])
-        self.param_gather = GatherAfterStep(self.comm, in_order if gathered else [],
-                                            overlap=config.overlap_param_gather and gathered)
+        self.param_gather = self.param_policy.after_step_gather(self.comm, in_order, config.overlap_param_gather)
         if self.param_gather.overlap:
             self.param_gather.hook_modules(owned)
         self.flags = RoundFlags()
@@ -200,8 +195,8 @@ class ZeroEngine:
         """As DDP: every rank starts from rank 0's params, frozen ones too (one broadcast per
         bucket buffer and per frozen param)."""
         self.comm.broadcast_from_first(
-            [buf for u in self.units for f in u.flat if f.param_shards is None  # stage 3: shard() did it
-             for buf in f.param_bufs.buffers] + [p for _, p in self._frozen])
+            [buf for u in self.units for f in u.flat for buf in f.params_policy.broadcast_buffers(f)]
+            + [p for _, p in self._frozen])
 
     def _check_frozen(self):
         for k, p in self._frozen:
@@ -245,8 +240,7 @@ class ZeroEngine:
         params had grads and which buckets need reducing, and those are reduced."""
         self.param_gather.wait_all()  # adopt() below and the update write the params
         self.schedule.reset()
-        if self.stage3 is not None:
-            self.stage3.reshard_all(self.units)  # the update writes the slices; a gathered unit would go stale
+        self.param_policy.before_update(self.units)  # stage 3: every unit resharded
         self._check_frozen()
         for u in self.units:
             u.sync_from_model()
@@ -321,11 +315,7 @@ class ZeroEngine:
         """Bytes this rank holds, by kind."""
         rep = {"params": 0, "master_params": 0, "adam_state": 0, "grads": 0, "comm_buffers": 0}
         for s in self.stores:
-            buf = s.flat.param_bufs.buffers[s.b]
-            if s.flat.param_shards is not None:  # stage 3: the slice, and the full buffer while gathered
-                rep["params"] += s.param_shard().numel() * buf.element_size() + buf.untyped_storage().nbytes()
-            else:
-                rep["params"] += buf.numel() * buf.element_size()
+            rep["params"] += s.flat.params_policy.param_bytes(s.flat, s.b)
             for d in (s.nbytes(), s.bucket.nbytes()):
                 for k, v in d.items():
                     rep[k] += v

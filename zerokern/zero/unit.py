@@ -43,9 +43,11 @@ class FlatParams:
     """One dtype's trainable params of a unit (in backward order): a Member each, their buffers and
     grad buckets."""
 
-    def __init__(self, params, names, breaks, comm, config: ShardConfig, strategy: Strategy, unit_name: str, grads):
-        """grads: the grad path (grads/path.py: grad_path(strategy))."""
-        self.grads = grads
+    def __init__(self, params, names, breaks, comm, config: ShardConfig, strategy: Strategy, unit_name: str, grads,
+                 params_policy):
+        """grads: the grad path (grads/path.py: grad_path); params_policy: where the params live
+        between steps (params/policy.py: param_policy)."""
+        self.grads, self.params_policy = grads, params_policy
         self.members = [Member(p, i, n) for i, (p, n) in enumerate(zip(params, names))]
         self.params = tuple(params)  # members' params, for code that wants the tensors (fixed for good)
         self.unit_name = unit_name
@@ -57,10 +59,11 @@ class FlatParams:
         self.param_bufs.bind_params(params)
         for m in self.members:  # where each param's data must stay now ([Note: ownership]), its version there
             m.ptr, m.version = m.param.data_ptr(), m.param._version
-        # [Note: stage-3 params]: this rank keeps only its slice of each param bucket (set by
-        # shard_params(); the full buffers then hold values only while the unit is gathered)
-        self.shards_params = strategy.params is ParamMode.GATHER_PER_UNIT
-        self.param_shards: Optional[List[torch.Tensor]] = None
+        # this rank's slice of each param bucket: views of the full buffers, until shard_params() gives
+        # them storage of their own ([Note: stage-3 params]: the full buffers then hold values only
+        # while the unit is gathered)
+        self.param_shards: List[torch.Tensor] = [self.param_bufs.shard(self.rank, b)
+                                                 for b in range(len(self.layout.buckets))]
         self.buckets = grads.make_buckets(self, comm, strategy)
         self.changed = set()  # params adopted with new values since the stores last looked
         for i, m in enumerate(self.members):
@@ -134,9 +137,7 @@ class FlatParams:
     def param_shard(self, b: int) -> torch.Tensor:
         """This rank's slice of param bucket b: a view of the full buffer, or at stage 3 (once
         shard_params() ran) a tensor of its own that outlives the full buffer's storage."""
-        if self.param_shards is not None:
-            return self.param_shards[b]
-        return self.param_bufs.shard(self.rank, b)
+        return self.param_shards[b]
 
     def my_slice(self, i: int):
         """(start, n, bucket, shard offset): this rank holds elements [start, start + n) of
@@ -189,12 +190,7 @@ class FlatParams:
         m = self.members[i]
         m.check_moved(self.dtype, self.device)
         p = m.param
-        if self.shards_params:
-            raise RuntimeError(
-                f"zerokern: {m.name} (unit '{self.unit_name}'): its data was replaced (p.data = ..., model.to() that "
-                "copies, to_empty()), but at stage 3 a param holds data only inside its unit's forward and backward "
-                "and the optimizer keeps this rank's slice; replacing it is not offered at stage 3. Load new "
-                "weights with model.load_state_dict(sd) instead (whole tensors go into the shards)")
+        self.params_policy.check_replaceable(self, i, "data")
         view = self.param_bufs.view(i, p.shape)
         with torch.no_grad():
             if not torch.equal(view, p.data):
@@ -239,10 +235,11 @@ class ShardUnit:
     """The trainable params of one module (not those of units inside it), flattened per dtype."""
 
     def __init__(self, params: Sequence[torch.Tensor], names: Sequence[str], runs: Sequence[int], comm,
-                 config: ShardConfig, name: str, grads):
+                 config: ShardConfig, name: str, grads, params_policy):
         """params/names/runs in registration order; runs[k] numbers the stretch of the
         module's params (between other units' params) that params[k] belongs to. grads: the grad
-        path of the unit's stage (grads/path.py: grad_path)."""
+        path of the unit's stage (grads/path.py: grad_path), params_policy its param policy
+        (params/policy.py: param_policy)."""
         self.comm, self.config, self.name = comm, config, name
         self.strategy = config.strategy(comm.world_size)  # what the stage means here (core/stage.py)
         self.schedule = None  # the ReduceSchedule of the optimizer that owns this unit, once one does
@@ -257,7 +254,7 @@ class ShardUnit:
             ks = [k for k in trainable if params[k].dtype == dtype][::-1]  # backward order
             breaks = [j for j in range(1, len(ks)) if runs[ks[j]] != runs[ks[j - 1]]]
             self.flat.append(FlatParams([params[k] for k in ks], [names[k] for k in ks], breaks, comm, config,
-                                         self.strategy, name, grads))
+                                         self.strategy, name, grads, params_policy))
         self._where = {}
         for f in self.flat:
             for i, p in enumerate(f.params):
@@ -327,10 +324,8 @@ class ShardUnit:
         q's values and its place back, so the optimizer keeps training what the model uses."""
         where = self.locate(p)
         name = where[0].members[where[1]].name if where else attr
-        if where and where[0].shards_params:
-            raise RuntimeError(f"zerokern: {name} was replaced by another tensor (load_state_dict(assign=True)?), "
-                               "but at stage 3 the optimizer keeps this rank's slice of it; load new values with "
-                               "model.load_state_dict(sd) without assign=True")
+        if where:
+            where[0].params_policy.check_replaceable(where[0], where[1], "assign")
         if not isinstance(q, torch.Tensor) or q.shape != p.shape:
             raise RuntimeError(f"zerokern: {name} was replaced by {type(q).__name__} "
                                f"{list(q.shape) if isinstance(q, torch.Tensor) else ''}; a sharded param can "
@@ -368,13 +363,14 @@ def unit_of(param: torch.Tensor) -> Optional[ShardUnit]:
     return ref() if ref is not None else None
 
 
-def make_unit(params, names, runs, comm, config: ShardConfig, name: str, grads) -> ShardUnit:
-    """A ShardUnit over params no unit owns yet (grads: its grad path), registered as their owner."""
+def make_unit(params, names, runs, comm, config: ShardConfig, name: str, grads, params_policy) -> ShardUnit:
+    """A ShardUnit over params no unit owns yet (with its grad path and param policy), registered
+    as their owner."""
     for p, n in zip(params, names):
         owner = unit_of(p)
         if owner is not None:
             raise ValueError(f"zerokern: {n} is already sharded by unit '{owner.name}'")
-    unit = ShardUnit(params, names, runs, comm, config, name, grads)
+    unit = ShardUnit(params, names, runs, comm, config, name, grads, params_policy)
     for p in unit.params:
         _OWNER[p] = weakref.ref(unit)
     return unit

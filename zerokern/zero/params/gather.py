@@ -3,7 +3,7 @@ full buffer between SHARDED, GATHERING and GATHERED (ParamState), and GatherAfte
 of stages 1/2 that runs it after each update. Stage 3's policy (around each unit's forward and
 backward) is UnitParams / Stage3Runtime in params/per_unit.py, over the same machine.
 
-What differs between the stages is one value, `frees` (ParamMode.GATHER_PER_UNIT): at stages 1/2
+What differs between the stages is one value, `frees` (stage 3: params/policy.py): at stages 1/2
 the full buffer always has its storage and this rank's slice is a view of it, so SHARDED only
 means "the other ranks' slices are stale" (the update wrote this rank's); at stage 3 the slice is
 a tensor of its own and the buffer's storage exists only while GATHERING or GATHERED.

@@ -108,7 +108,7 @@ class UnitParams:
     def __init__(self, unit, comm, counter=None):
         self.unit, self.comm = unit, comm
         self.counter = counter  # the runtime: gathered bytes now and at peak
-        self.flats = [f for f in unit.flat if f.shards_params]
+        self.flats = list(unit.flat)  # a stage-3 unit: every dtype group keeps slices (params/policy.py)
         self.trainable = sum(len(f.members) for f in self.flats)
         self.buckets: List[BucketParams] = []  # shard() makes them
         self.got = 0  # params of the unit whose grad arrived since it was last gathered for backward

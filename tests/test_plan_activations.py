@@ -89,7 +89,12 @@ def test_cli_activations(capsys):
     row2 = next(line.split() for line in out.splitlines() if line.startswith("2 "))
     assert row2[7] == "2.78" and "smallest stage that fits" in out  # activ column: 678,924 B/token x 4096
     assert "largest micro-batch of 4096-token sequences" in out
-    with pytest.raises(SystemExit) as e:
-        main(["--params", "7B", "--seq-len", "4096"])
-    assert e.value.code == 2
-    capsys.readouterr()
+    for bad in (["--params", "7B", "--seq-len", "4096"],  # activations need the shape
+                args + ["--checkpointing", "full"],  # and a sequence length
+                args + ["--seq-len", "4096", "--tp", "2"],  # tp = pp = 1 only
+                args + ["--seq-len", "4096", "--micro-batch-size", "0"]):
+        with pytest.raises(SystemExit) as e:
+            main(bad)
+        assert e.value.code == 2, bad
+        err = capsys.readouterr().err
+        assert "seq" in err or "micro_batch_size" in err, err

@@ -48,7 +48,7 @@ def count(text):
 def parser():
     ap = argparse.ArgumentParser(prog="python -m zerokern.plan",
                                  description="Per-GPU memory and communication of mixed-precision Adam training "
-                                             "for ZeRO stages 0-3: model states, and activations with --seq-len and the shape.")
+                                             "for ZeRO stages 0-3: model states, and activations with --seq-len.")
     model = ap.add_argument_group("model (either --params or the shape)")
     model.add_argument("--params", type=param_count, help="number of parameters, e.g. 7.5e9 or 7.5B")
     model.add_argument("--arch", choices=["gpt", "llama"], default="gpt",
@@ -112,7 +112,7 @@ def render(p, marked=None):
              + ("" if p.master_weights or p.dtype == "fp32" else ", no fp32 masters")
              + (", optimizer offloaded to CPU" if p.offload_optimizer else ""),
              f"  {p.formula}",
-             f"GB per GPU (1 GB = 1e9 bytes); " + (
+             "GB per GPU (1 GB = 1e9 bytes); " + (
                  f"fits in {_gb(p.gpu_memory_bytes)} GB = model states only, headroom left for activations "
                  "(give --seq-len to count them)" if a is None else
                  f"fits in {_gb(p.gpu_memory_bytes)} GB = model states + activations ({a.micro_batch} x {a.seq} "

@@ -280,7 +280,12 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
                        f"kv*d={kv * (hidden // heads)}: {total:,}; per GPU (tp={tp}, pp={pp}, last stage): {per_gpu:,}")
 
     acts = None
+    if seq is None and (micro_batch_size != 1 or checkpointing != "none" or act_dtype is not None):
+        raise ValueError("micro_batch_size, checkpointing and act_dtype size activations: give seq (tokens per "
+                         "sequence) with them")
     if seq is not None:
+        _positive("seq", seq)
+        _positive("micro_batch_size", micro_batch_size)
         if params is not None:
             raise ValueError("activations (seq) need the model's shape (layers, hidden, heads, vocab), not params")
         if tp > 1 or pp > 1:

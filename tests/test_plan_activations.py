@@ -57,11 +57,11 @@ def test_llama_7b_by_hand():
     #   SDPA's logsumexp 4a = 128 -> 186,504 bytes per token
     assert layer_bytes_per_token("llama", 4096, 32, 11008, dtype="bf16") == 186_504
     a = activation_memory(arch="llama", layers=32, hidden=4096, heads=32, ffn_hidden=11008, vocab=32000, seq=4096)
-    # + final norm (4 + 2B)h + 4 = 32,772 and the token ids 8; loss 12V = 384,000
-    assert a.peak_bytes_per_token == 32 * 186_504 + 32_780 + 384_000
+    # + final norm (4 + 2B)h + 4 = 32,772 and the token ids (inputs, targets) 16; loss 12V = 384,000
+    assert a.peak_bytes_per_token == 32 * 186_504 + 32_788 + 384_000
     full = activation_memory(arch="llama", layers=32, hidden=4096, heads=32, ffn_hidden=11008, vocab=32000,
                              seq=4096, checkpointing="full")
-    assert full.peak_bytes_per_token == 32 * 2 * 4096 + 32_780 + 384_000  # the loss outweighs a recomputed layer
+    assert full.peak_bytes_per_token == 32 * 2 * 4096 + 32_788 + 384_000  # the loss outweighs a recomputed layer
     # GPT-style (f = 4h) in fp16: B(8h + 2f) + 4B + 4a = 16hB + 8 + 4a
     assert layer_bytes_per_token("gpt", 1024, 16, dtype="fp16") == 16 * 1024 * 2 + 8 + 64
 

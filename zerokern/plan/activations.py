@@ -6,7 +6,7 @@ LlamaForCausalLM with its default SDPA attention), per token (s*b tokens in a mi
 bytes, with B the activation dtype's bytes (4 fp32, 2 bf16/fp16), h hidden, f MLP width, a heads,
 kv = kv_heads * h/a:
 
-  GPT layer    B*(8h + 2f) + 4B + 4a
+  GPT layer    B*(8h + 2f) + 4B + 4a  (LayerNorm statistics in B: in the input's dtype on CPU)
                kept: the layer input and LayerNorm-1 output (2h), the qkv output (3h: SDPA keeps
                q, k, v as views of it), the attention output (h; its transpose-reshape is a view),
                the residual after attention and LayerNorm-2 output (2h), fc1 and GELU outputs
@@ -16,7 +16,8 @@ kv = kv_heads * h/a:
                itself), the normalised tensor and the weighted output (2Bh) and the fp32 rsqrt
                (4); attention keeps RoPE'd q and k, v (B(h + 2kv): SDPA takes grouped kv heads as
                they are) and its output (Bh); the SwiGLU MLP keeps gate, SiLU, up and product (4Bf)
-  final norm   GPT 2Bh + 2B, Llama (4 + 2B)h + 4; the int64 token ids 8
+  final norm   GPT 2Bh + 2B, Llama (4 + 2B)h + 4
+  token ids    16: the int64 inputs (the embedding keeps them) and targets (the loss keeps them)
   loss         both models compute cross entropy in fp32 over s*b*V logits: the log-softmax
                output is kept (4V) and backward holds beside it its incoming gradient and the one it
                passes on (8V more): 12V at the start of backward, whatever the activation dtype
@@ -31,7 +32,7 @@ Peak: everything kept, plus the transient at the start of backward (the loss's 8
 layer's backward transient if larger; measured on the tiny models at 0.15-0.31 of a layer's kept
 bytes, bounded here by half of them (it matters only when V is below about a layer's width).
 With full activation checkpointing (each layer recomputed in backward, torch.utils.checkpoint
-or transformers' gradient_checkpointing_enable) a layer keeps only its input (Bh) and the peak
+or transformers' activation_checkpointing_enable) a layer keeps only its input (Bh) and the peak
 is the larger of the loss's (final norm, loss 12V) and one layer recomputed with its backward
 transient (1.5 x a layer's kept bytes), on top of every layer's input.
 
@@ -45,6 +46,7 @@ from dataclasses import asdict, dataclass
 
 ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 CHECKPOINTING = ("none", "full")
+TOKEN_IDS_BYTES = 16  # int64 inputs and targets, per token
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,7 @@ def activation_memory(*, arch, layers, hidden, heads, vocab, seq, micro_batch=1,
         raise ValueError("arch='llama' needs ffn_hidden (the gated MLP's width)")
     B, h, V = ACT_BYTES[dtype], hidden, vocab
     layer = layer_bytes_per_token(arch, hidden, heads, ffn_hidden, kv_heads, dtype)
-    final_norm = (2 * B * h + 2 * B if arch == "gpt" else (4 + 2 * B) * h + 4) + 8  # + the int64 token ids
+    final_norm = (2 * B * h + 2 * B if arch == "gpt" else (4 + 2 * B) * h + 4) + TOKEN_IDS_BYTES
     loss_kept, loss_peak = 4 * V, 12 * V
     if checkpointing == "none":
         kept = layers * layer + final_norm + loss_kept
@@ -110,9 +112,9 @@ def activation_memory(*, arch, layers, hidden, heads, vocab, seq, micro_batch=1,
         shape = f"{layers} x {layer:,.0f} (layer) + {final_norm:,.0f} (final norm, ids) + 12V = {12 * V:,} (loss)"
     else:
         kept = layers * B * h + final_norm + loss_kept
-        peak = layers * B * h + max(final_norm + loss_peak, 8 + 1.5 * layer)
+        peak = layers * B * h + max(final_norm + loss_peak, TOKEN_IDS_BYTES + 1.5 * layer)
         shape = (f"{layers} x {B * h:,} (layer inputs) + max({final_norm:,.0f} + 12V = {12 * V:,} (final norm, loss), "
-                 f"8 + 1.5 x {layer:,.0f} (ids, one layer recomputed))")
+                 f"{TOKEN_IDS_BYTES} + 1.5 x {layer:,.0f} (ids, one layer recomputed))")
     formula = f"activations per token, {dtype}, checkpointing {checkpointing}: {shape} = {peak:,.0f} bytes at the peak"
     return ActivationPlan(seq=int(seq), micro_batch=int(micro_batch), dtype=dtype, checkpointing=checkpointing,
                           layer_bytes_per_token=layer, kept_bytes_per_token=kept, peak_bytes_per_token=peak,

@@ -1,9 +1,10 @@
-"""Activation memory of one forward + backward on CPU, measured two ways (shared by
+"""Activation memory of one forward + backward on CPU, measured three ways (shared by
 bench/activation_memory.py and tests/test_plan_activations.py, so the test checks what the bench reports).
 
 [Note: measuring activations on CPU] The CPU allocator keeps no statistics (no
-torch.cuda.max_memory_allocated), and tracemalloc and RSS see neither torch's allocations nor
-their frees reliably. So both measures count tensor storages themselves:
+torch.cuda.max_memory_allocated); tracemalloc sees none of torch's allocations, and the resident
+size keeps what glibc caches after a free unless told otherwise (rss, below). So two measures
+count tensor storages themselves, and a third checks them from below torch:
 
   saved  torch.autograd.graph.saved_tensors_hooks sees every tensor autograd keeps for
          backward. Summing unique storages (by data pointer, the whole storage's bytes, so a view
@@ -19,8 +20,8 @@ their frees reliably. So both measures count tensor storages themselves:
          of activation bytes (kept ones and backward's temporaries: the gradients flowing
          back, the loss's fp32 copies) on top of the model states, what a GPU needs beyond them.
 
-Both count bytes of live tensors, as torch.cuda.memory_allocated does, not the allocator's
-rounding or cache. Parameters, created before either starts, are never counted.
+saved and peak count bytes of live tensors, as torch.cuda.memory_allocated does, not the
+allocator's rounding or cache. Parameters, created before either starts, are never counted.
 
   rss    A check from below torch: with glibc's mmap threshold lowered (MALLOC_MMAP_THRESHOLD_,
          set before the process starts) every large tensor is its own mapping, mapped when
@@ -32,7 +33,6 @@ rounding or cache. Parameters, created before either starts, are never counted.
 
 import gc
 import os
-
 import weakref
 
 import torch

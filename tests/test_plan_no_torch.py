@@ -35,6 +35,8 @@ def test_planner_cli_imports_no_torch():
 def test_planner_python_api_imports_no_torch():
     code = ("import sys; from zerokern.plan import plan; p = plan(7.5e9, dp=64, gpu_memory=24e9); "
             "assert p.smallest_fitting_stage == 2, p.smallest_fitting_stage; "
+            "p = plan(arch='llama', layers=2, hidden=64, heads=4, vocab=100, ffn_hidden=176, seq=64); "
+            "assert p.activations.peak_bytes > 0; "
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]")
     proc = _python("-c", code)
     assert proc.returncode == 0, proc.stderr

@@ -8,15 +8,18 @@
     p = plan(7.5e9, dp=64)            # a Plan: one StagePlan per ZeRO stage 0-3
     p = from_model(model, dp=8)       # counts a real module's trainable parameters
     p = plan(7.5e9, dp=64, gpu_memory="24GB", dp_bandwidth="400Gb/s")  # or bytes: 24e9, 50e9
+    p = plan(arch="llama", layers=32, hidden=4096, heads=32, vocab=32000, ffn_hidden=11008, dp=8,
+             seq=4096, micro_batch_size=1, checkpointing="full")  # activations counted in the fit
 
 Sizes: a string needs a unit (units.py); a number is bytes. Nothing here imports torch.
 """
 
+from .activations import ActivationPlan, activation_memory
 from .model import (DTYPE_BYTES, Plan, StagePlan, llama_params, llama_params_per_gpu, plan, transformer_params,
                     transformer_params_per_gpu)
 
 __all__ = ["plan", "from_model", "Plan", "StagePlan", "transformer_params", "transformer_params_per_gpu",
-           "llama_params", "llama_params_per_gpu", "DTYPE_BYTES"]
+           "llama_params", "llama_params_per_gpu", "DTYPE_BYTES", "activation_memory", "ActivationPlan"]
 
 
 def from_model(model, **kwargs) -> Plan:

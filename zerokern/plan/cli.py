@@ -7,6 +7,7 @@ import math
 import re
 import sys
 
+from .activations import ACT_BYTES, CHECKPOINTING
 from .model import DTYPE_BYTES, STATE_BYTES, plan
 from .units import parse_size
 
@@ -47,7 +48,7 @@ def count(text):
 def parser():
     ap = argparse.ArgumentParser(prog="python -m zerokern.plan",
                                  description="Per-GPU memory and communication of mixed-precision Adam training "
-                                             "for ZeRO stages 0-3 (model states only; activations not modelled).")
+                                             "for ZeRO stages 0-3: model states, and activations with --seq-len.")
     model = ap.add_argument_group("model (either --params or the shape)")
     model.add_argument("--params", type=param_count, help="number of parameters, e.g. 7.5e9 or 7.5B")
     model.add_argument("--arch", choices=["gpt", "llama"], default="gpt",
@@ -89,6 +90,13 @@ def parser():
                          "(400Gb/s, 400Gbps: a lowercase b is a bit)")
     hw.add_argument("--bucket-cap-mb", type=float, default=25.0,
                     help="FusedZeroAdam's bucket_cap_mb (stage 2 holds up to 5 such buckets in backward)")
+    act = ap.add_argument_group("activations (need the shape; tp = pp = 1)")
+    act.add_argument("--seq-len", type=count, help="tokens per sequence: counts one micro-batch's activations into "
+                                                   "every stage's total and fit")
+    act.add_argument("--micro-batch-size", type=count, default=1, help="sequences per micro-batch (default 1)")
+    act.add_argument("--checkpointing", choices=CHECKPOINTING, default="none",
+                     help="activation checkpointing: none, or full (every layer recomputed in backward)")
+    act.add_argument("--act-dtype", choices=sorted(ACT_BYTES), help="activations' dtype (default: --dtype)")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     return ap
 
@@ -98,18 +106,24 @@ def _gb(x):
 
 
 def render(p, marked=None):
+    a = p.activations
     lines = [f"zerokern plan: {p.params_total:.4g} params in all, {p.params_per_gpu:.4g} on each GPU; "
              f"dp={p.dp} tp={p.tp} pp={p.pp}, {p.dtype}, Adam with {p.state_precision} moments"
              + ("" if p.master_weights or p.dtype == "fp32" else ", no fp32 masters")
              + (", optimizer offloaded to CPU" if p.offload_optimizer else ""),
              f"  {p.formula}",
-             f"GB per GPU (1 GB = 1e9 bytes); fits in {_gb(p.gpu_memory_bytes)} GB = model states only, "
-             f"headroom left for activations",
+             "GB per GPU (1 GB = 1e9 bytes); " + (
+                 f"fits in {_gb(p.gpu_memory_bytes)} GB = model states only, headroom left for activations "
+                 "(give --seq-len to count them)" if a is None else
+                 f"fits in {_gb(p.gpu_memory_bytes)} GB = model states + activations ({a.micro_batch} x {a.seq} "
+                 f"tokens, {a.dtype}, checkpointing {a.checkpointing})"),
              ""]
     head = ["stage", "params", "gathered", "grads", "buffers", "master", "adam", "total", "fits (headroom)", "comm/step",
             "comm time"]
+    if a is not None:  # counted only with --seq-len: then a column, in the total and the fit
+        head.insert(7, "activ")
     if p.offload_optimizer:
-        head.insert(8, "cpu")
+        head.insert(head.index("total") + 1, "cpu")
     rows = []
     best = p.smallest_fitting_stage
     for s in p.stages:
@@ -117,8 +131,10 @@ def render(p, marked=None):
                _gb(s.adam_bytes),
                _gb(s.total_bytes), f"{'yes' if s.fits else 'no'} ({_gb(s.headroom_bytes)})",
                f"{_gb(s.comm_bytes)} GB", f"{s.comm_seconds * 1e3:.1f} ms"]
+        if a is not None:
+            row.insert(7, _gb(s.activations_bytes))
         if p.offload_optimizer:
-            row.insert(8, _gb(s.cpu_bytes))
+            row.insert(head.index("cpu"), _gb(s.cpu_bytes))
         notes = []
         if s.stage == best:
             notes.append("<- smallest stage that fits")
@@ -141,6 +157,7 @@ def render(p, marked=None):
     else:
         lines.append("gathered: stage 3's full params while units compute (the root unit, the unit computing and "
                      "the one prefetched; one layer per unit from the shape, or --unit-params/--root-params)")
+    lines += _activation_lines(p)
     if p.hosts > 1:
         lines += ["", f"across {p.hosts} hosts ({p.dp // p.hosts} ranks each), per step, all links together "
                   "([Note: bytes across hosts]): flat sharding over all ranks vs hybrid (mesh=(hosts, ranks per "
@@ -157,8 +174,26 @@ def render(p, marked=None):
         lines.append("offload applies from stage 1 on (ZeRO-Offload moves the sharded optimizer state); "
                      "stage 0 keeps it on the GPU")
     if best is None:
-        lines.append("no stage fits: raise dp, tp or pp, or offload the optimizer (--offload-optimizer cpu)")
+        lines.append("no stage fits: raise dp, tp or pp, or offload the optimizer (--offload-optimizer cpu)"
+                     + ("" if p.activations is None else "; for activations --checkpointing full or a smaller "
+                        "--micro-batch-size or --seq-len (the table above)"))
     return "\n".join(lines)
+
+
+def _activation_lines(p):
+    a = p.activations
+    if a is None:
+        return []
+    lines = [f"activ: one micro-batch's activations at their peak in forward + backward ([Note: activation memory] "
+             f"in zerokern/plan/activations.py): {a.formula}",
+             "", f"largest micro-batch of {a.seq}-token sequences that fits beside the model states, {a.dtype} "
+                 "activations (in brackets: tokens per micro-batch that fit):"]
+    rows = [["checkpointing"] + [f"stage {s.stage}" for s in p.stages]]
+    for c, tokens in p.fit_tokens.items():
+        rows.append([c] + [f"{t // a.seq} ({t / 1e3:.1f}k)" for t in tokens])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines += ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    return lines
 
 
 def main(argv=None):
@@ -171,7 +206,8 @@ def main(argv=None):
                  micro_batches=args.micro_batches, dp_bandwidth=args.dp_bandwidth,
                  bucket_cap_mb=args.bucket_cap_mb, unit_params=args.unit_params, root_params=args.root_params,
                  state_precision=args.state_precision, master_weights=not args.no_master_weights,
-                 hosts=args.hosts)
+                 hosts=args.hosts, seq=args.seq_len, micro_batch_size=args.micro_batch_size,
+                 checkpointing=args.checkpointing, act_dtype=args.act_dtype)
     except ValueError as e:
         ap.error(str(e))  # exit code 2
     if args.json:

@@ -5,8 +5,10 @@ params 2, grads 2, fp32 master weights 4, Adam m and v 8 (the ZeRO paper's
 K = 12 optimizer bytes); fp32 training has no separate master copy: params 4,
 grads 4, Adam 8. ZeRO stage 1 divides the optimizer bytes (master + Adam) by
 the data-parallel size dp, stage 2 also the grads, stage 3 also the params.
-Activations, the CUDA context, temporary buffers and fragmentation are not
-modelled: "fits" means the model states fit, with the headroom left for them.
+Activations are counted when a sequence length is given with the shape
+(activations.py, [Note: activation memory]); then "fits" means model states and
+activations fit. The CUDA context, temporary buffers and fragmentation are not
+modelled: the headroom is left for them.
 
 Parameters of a standard decoder-only transformer (GPT: learned biases, two
 LayerNorms per layer, a 4h MLP by default, tied input/output embedding, no
@@ -80,6 +82,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import List, Optional
 
+from .activations import ActivationPlan, activation_memory, largest_tokens
 from .units import to_bytes
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -109,6 +112,9 @@ class StagePlan:
     inter_host_bytes: Optional[float] = None
     hybrid_inter_host_bytes: Optional[float] = None
     hybrid_total_bytes: Optional[float] = None  # per GPU, sharded within a host only
+    # one micro-batch's activations at their peak ([Note: activation memory]), in total_bytes; None
+    # where not modelled (no sequence length given)
+    activations_bytes: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -129,6 +135,17 @@ class Plan:
     state_precision: str = "fp32"
     master_weights: bool = True
     hosts: int = 1
+    activations: Optional[ActivationPlan] = None  # the settings and per-token bytes; None: not modelled
+    # checkpointing ("none", "full") -> per stage, the most tokens per micro-batch whose activations fit
+    # beside the model states
+    fit_tokens: Optional[dict] = None
+
+    @property
+    def largest_micro_batch(self) -> Optional[dict]:
+        """checkpointing -> per stage, the most sequences of activations.seq tokens that fit (0: none)."""
+        if self.fit_tokens is None:
+            return None
+        return {c: [t // self.activations.seq for t in tokens] for c, tokens in self.fit_tokens.items()}
 
     @property
     def smallest_fitting_stage(self) -> Optional[int]:
@@ -137,6 +154,9 @@ class Plan:
     def to_dict(self):
         d = asdict(self)
         d["smallest_fitting_stage"] = self.smallest_fitting_stage
+        if self.activations is not None:
+            d["activations"] = self.activations.to_dict()
+            d["largest_micro_batch"] = self.largest_micro_batch
         return d
 
 
@@ -178,7 +198,8 @@ def _positive(name, value, allow_zero=False):
 def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_hidden=None, arch="gpt",
          kv_heads=None, dp=1, tp=1, pp=1, dtype="bf16", offload_optimizer=None, gpu_memory=80e9, micro_batches=1,
          dp_bandwidth=100e9, bucket_cap_mb=25.0, largest_param=None, unit_params=None, root_params=None,
-         state_precision="fp32", master_weights=True, hosts=1) -> Plan:
+         state_precision="fp32", master_weights=True, hosts=1, seq=None, micro_batch_size=1,
+         checkpointing="none", act_dtype=None) -> Plan:
     """The memory and communication plan for every ZeRO stage. Give either
     `params` (a count; tp and pp then split it evenly) or the shape (layers,
     hidden, heads, vocab[, ffn_hidden]) of a GPT-style (arch="gpt") or Llama-style
@@ -191,7 +212,10 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
     state_precision ("fp32", "bf16", "int8") and master_weights (False: bf16 params without fp32
     masters) are FusedZeroAdam's options of the same names. hosts: how many hosts the dp ranks are
     on, for the bytes each step sends between them, flat and hybrid ([Note: bytes across hosts]). The int8 layout's padding (each param
-    starts on a block of 256 elements, under 256 per param) is not counted."""
+    starts on a block of 256 elements, under 256 per param) is not counted.
+    seq (tokens per sequence) with the shape counts one micro-batch's activations (micro_batch_size
+    sequences, checkpointing "none" or "full" per layer, act_dtype defaulting to dtype) into every
+    stage's total and fit ([Note: activation memory] in activations.py); tp = pp = 1 only."""
     if arch not in ("gpt", "llama"):
         raise ValueError(f"arch must be 'gpt' or 'llama', got {arch!r}")
     if dtype not in DTYPE_BYTES:
@@ -255,6 +279,23 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
             formula = (f"Llama: layers*(2h^2 + 2h*kv*d + 3hf + 2h) + 2*vocab*h + h with h={hidden}, f={ffn_hidden}, "
                        f"kv*d={kv * (hidden // heads)}: {total:,}; per GPU (tp={tp}, pp={pp}, last stage): {per_gpu:,}")
 
+    acts = None
+    if seq is None and (micro_batch_size != 1 or checkpointing != "none" or act_dtype is not None):
+        raise ValueError("micro_batch_size, checkpointing and act_dtype size activations: give seq (tokens per "
+                         "sequence) with them")
+    if seq is not None:
+        _positive("seq", seq)
+        _positive("micro_batch_size", micro_batch_size)
+        if params is not None:
+            raise ValueError("activations (seq) need the model's shape (layers, hidden, heads, vocab), not params")
+        if tp > 1 or pp > 1:
+            raise ValueError(f"activations are modelled for tp = pp = 1 (got tp={tp}, pp={pp}): leave out seq")
+        act_dtype = act_dtype or dtype
+        shape_kw = dict(arch=arch, layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq=seq,
+                        micro_batch=micro_batch_size, ffn_hidden=ffn_hidden, kv_heads=kv_heads, dtype=act_dtype)
+        acts = activation_memory(checkpointing=checkpointing, **shape_kw)
+        per_token = {c: activation_memory(checkpointing=c, **shape_kw).peak_bytes_per_token
+                     for c in ("none", "full")}
     for name, v in (("unit_params", unit_params), ("root_params", root_params)):
         if v is not None:
             _positive(name, v, allow_zero=True)
@@ -273,21 +314,29 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
     master = 0 if dtype == "fp32" or not master_weights else 4 * per_gpu
     adam = STATE_BYTES[state_precision] * per_gpu
     stages = []
+    act = 0 if acts is None else acts.peak_bytes
     for stage in range(4):
         stages.append(_stage(stage, dp, b, p_bytes, g_bytes, master, adam, offload, bucket_cap_mb, largest_param,
                              unit_params, root_params, per_gpu, gpu_memory, dp_bandwidth))
+        if acts is not None:  # "fits" counts one micro-batch's activations too
+            states = stages[-1]
+            stages[-1] = replace(states, activations_bytes=act, total_bytes=states.total_bytes + act,
+                                 fits=states.total_bytes + act <= gpu_memory, headroom_bytes=states.headroom_bytes - act)
         if hosts > 1:
             local = _stage(stage, dp // hosts, b, p_bytes, g_bytes, master, adam, offload, bucket_cap_mb,
                            largest_param, unit_params, root_params, per_gpu, gpu_memory, dp_bandwidth)
             flat = hosts * (3 if stage == 3 else 2) * p_bytes * (dp - 1) / dp
             hybrid = flat if stage == 0 else 2 * (hosts - 1) * p_bytes
             stages[-1] = replace(stages[-1], inter_host_bytes=flat, hybrid_inter_host_bytes=hybrid,
-                                 hybrid_total_bytes=local.total_bytes)
+                                 hybrid_total_bytes=local.total_bytes + act)
     return Plan(params_total=total, params_per_gpu=per_gpu, dp=dp, tp=tp, pp=pp, dtype=dtype,
                 offload_optimizer="cpu" if offload else None, gpu_memory_bytes=gpu_memory,
                 dp_bandwidth_bytes_per_s=dp_bandwidth, micro_batches=micro_batches,
                 pipeline_bubble=(pp - 1) / (micro_batches + pp - 1), stages=stages, formula=formula,
-                state_precision=state_precision, master_weights=master_weights, hosts=hosts)
+                state_precision=state_precision, master_weights=master_weights, hosts=hosts, activations=acts,
+                fit_tokens=None if acts is None else {
+                    c: [largest_tokens(st.headroom_bytes + act, per_token[c]) for st in stages]
+                    for c in per_token})
 
 
 def _stage(stage, dp, b, p_bytes, g_bytes, master, adam, offload, bucket_cap_mb, largest_param, unit_params,

@@ -139,3 +139,31 @@ def full_state_dict_on_rank0_only(rank, world):
     out["got_dict"] = "dict" in got
     out["untouched"] = all(a.equal(b) for a, b in zip(got["after step 1"], shards()))
     return out
+
+
+def subgroup_then_world_group(rank, world):
+    """Ranks 0 and 1 train zerokern on a group of their own, ranks 2 and 3 a DDP model on theirs;
+    then every rank makes a group of all four and all-reduces on it (issue 39: the collective
+    check's groups for the sub-group, made by its members only, used to leave torch's group
+    counter ahead on them, and the world group then hung)."""
+    import torch.distributed as dist
+    torch.manual_seed(0)
+    g01, g23 = dist.new_group([0, 1]), dist.new_group([2, 3])
+    model = Net()
+    if rank < 2:
+        opt = FusedZeroAdam(model.parameters(), lr=1e-2, process_group=g01, zero_stage=2, bucket_cap_mb=1e-4)
+        for x in _batches(rank, 2):
+            opt.zero_grad()
+            model(x).backward()
+            opt.step()
+    else:
+        ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=g23)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+        for x in _batches(rank, 2):
+            opt.zero_grad()
+            ddp(x).backward()
+            opt.step()
+    everyone = dist.new_group([0, 1, 2, 3])
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t, group=everyone)
+    return t.item()

@@ -496,3 +496,36 @@ def two_models(rank, world, steps=4, interleaved=False):
         full = _full_params(model, opt)
         diffs.append(max(abs_diff(full[k], v) for k, v in ref.named_parameters()))
     return diffs
+
+
+def rebuilt_optimizer(rank, world, steps=2):
+    """A stage-3 model's optimizer dropped and a new one built (a new learning-rate phase): trains
+    as torch's AdamW rebuilt at the same point, on one process over the full batch."""
+    torch.manual_seed(0)
+    ref = CkptGPT(2)
+    torch.manual_seed(0)
+    model = CkptGPT(2)
+    for b in model.blocks:
+        zerokern.shard(b, stage=3, bucket_cap_mb=0.002)
+    zerokern.shard(model, stage=3, bucket_cap_mb=0.002)
+    for phase, lr in enumerate((1e-2, 3e-3)):
+        opt = zerokern.FusedZeroAdam(model.parameters(), lr=lr, weight_decay=0.01)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=0.01)
+        for step in range(steps):
+            idx = _data(10 * phase + step, world)
+            opt.zero_grad()
+            _loss(model, idx[rank * BATCH:(rank + 1) * BATCH]).backward()
+            opt.step()
+            ref_opt.zero_grad()
+            _loss(ref, idx).backward()
+            ref_opt.step()
+        if phase == 0:
+            try:  # the first optimizer is still alive: the error says how to release the units
+                zerokern.FusedZeroAdam(model.parameters(), lr=lr)
+                alive_error = None
+            except ValueError as e:
+                alive_error = str(e)
+            del opt
+            gc.collect()
+    full = _full_params(model, opt)
+    return {"alive_error": alive_error, "diff": max(abs_diff(full[k], v) for k, v in ref.named_parameters())}

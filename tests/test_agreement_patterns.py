@@ -58,3 +58,9 @@ def test_the_collective_timeout_is_validated(monkeypatch):
             collective_check._timeout()
     monkeypatch.setenv("ZEROKERN_COLLECTIVE_TIMEOUT", "2.5")
     assert collective_check._timeout() == 2.5
+
+
+def test_a_subgroup_trained_on_then_a_world_group_does_not_hang():
+    """zerokern never makes a group that ranks outside it would have to join (or that moves their
+    group names apart): a world group made after it works on every rank."""
+    assert dist_harness.values(dist_harness.run(W.subgroup_then_world_group, 4, timeout=120)) == [10.0] * 4

@@ -212,3 +212,9 @@ def test_two_models_on_one_group_train_as_their_own_adamw(interleaved):
     process group (fp32: the reductions' order is the only difference from one process)."""
     for diffs in dist_harness.values(dist_harness.run(W.two_models, 2, 4, interleaved, timeout=300)):
         assert max(diffs) < 2e-5, diffs
+
+
+def test_an_optimizer_rebuilt_after_the_first_was_dropped_trains_as_adamw():
+    for r in dist_harness.values(dist_harness.run(W.rebuilt_optimizer, 2, timeout=300)):
+        assert "still alive" in r["alive_error"] and "gc.collect()" in r["alive_error"], r["alive_error"]
+        assert r["diff"] < 2e-5, r["diff"]

@@ -116,6 +116,12 @@ def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket
         params.append(p)
         names.append(name)
         runs.append(run)
+    sparse = [n for n, m in module.named_modules() if getattr(m, "sparse", False) is True
+              and isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))]
+    if sparse:
+        raise ValueError(f"zerokern.shard: {sparse[0] or type(module).__name__} makes sparse gradients (sparse=True), "
+                         "but zerokern's buckets hold dense gradients that are reduced and sharded as one buffer; "
+                         "build it with sparse=False (torch's AdamW refuses sparse gradients too)")
     devices = {p.device for p in params}
     if len(devices) > 1:
         raise ValueError(f"zerokern.shard: the params of {type(module).__name__} are on {sorted(map(str, devices))}; "

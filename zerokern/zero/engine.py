@@ -13,66 +13,21 @@ touches buckets, collectives or units itself. docs/DESIGN.md draws the layers.
 """
 
 import contextlib
-import dataclasses
 import weakref
 
 import torch
 
 from .agreement import Agreement
-from .comm.factory import comm_for
-from .comm.hybrid import resolve_mesh
-from .core.stage import ShardConfig, optimizer_stage
 from .grad_norm import global_norm
 from .grads import ddp_guard
 from .grads.path import grad_path
 from .grads.schedule import ReduceSchedule
+from .options import sharding
 from .params.policy import param_policy
 from .state.lowbit_store import LowBitStore
 from .state.store import ShardStore
 from .step import Piece, RoundFlags, Step
 from .unit import check_free, forward_order, make_unit, owner_of, unit_of  # noqa: F401 (owner_of: integrations)
-
-
-def sharding(units, zero_stage, process_group, bucket_cap_mb, overlap_comm, offload, overlap_param_gather,
-             align=None, mesh=None, device_type="cpu"):
-    """(Comm, ShardConfig) for the params: the units' own, or one from the arguments. align: the
-    element multiple the state needs its shards in (int8 state: its blocks), or None."""
-    if units:
-        # Bucket size and reshard_after_forward are each unit's own (a root often keeps its params
-        # gathered, as FSDP2's reshard_after_forward=False); the rest is one engine's, so alike.
-        configs = {dataclasses.replace(u.config, bucket_cap_mb=1.0, reshard_after_forward=True) for u in units}
-        groups = {id(u.comm.group) for u in units}
-        if len(configs) > 1 or len(groups) > 1:
-            raise ValueError("zerokern: the params were sharded with different stages, overlap, offload or process "
-                             "groups (only bucket_cap_mb and reshard_after_forward may differ per unit): "
-                             + "; ".join(f"{u.name}: {u.config}" for u in units))
-        config = units[0].config
-        given = {"zero_stage": (zero_stage, config.stage), "bucket_cap_mb": (bucket_cap_mb, config.bucket_cap_mb),
-                 "overlap_comm": (overlap_comm, config.overlap_comm), "offload": (offload, config.offload),
-                 "overlap_param_gather": (overlap_param_gather, config.overlap_param_gather)}
-        for name, (mine, theirs) in given.items():
-            if mine is not None and mine != theirs:
-                raise ValueError(f"zerokern: FusedZeroAdam({name}={mine!r}), but zerokern.shard() set {theirs!r} "
-                                 f"for these params; pass it to shard() only")
-        unaligned = [u for u in units if align is not None and u.config.align % align]
-        if unaligned:
-            raise ValueError(f"zerokern: unit '{unaligned[0].name}' was laid out for fp32 or bf16 state; int8 state "
-                             f"keeps one scale per block of {align} elements, so the shards must align to them: "
-                             "pass state_precision='int8' to zerokern.shard() too")
-        if process_group is not None and process_group is not units[0].comm.group:
-            raise ValueError("zerokern: FusedZeroAdam got another process_group than zerokern.shard(); pass it "
-                             "to shard() only")
-        if mesh is not None and resolve_mesh(mesh, process_group, device_type).get_group("shard") is not \
-                units[0].comm.group:
-            raise ValueError("zerokern: FusedZeroAdam got another mesh than zerokern.shard(); pass it to shard() "
-                             "only")
-        return units[0].comm, config
-    comm = comm_for(process_group, mesh, device_type)
-    stage = optimizer_stage(zero_stage, comm.world_size)
-    return comm, ShardConfig(stage, 25.0 if bucket_cap_mb is None else bucket_cap_mb,
-                             True if overlap_comm is None else overlap_comm, offload,
-                             **({} if align is None else {"align": align}),
-                             overlap_param_gather=False if overlap_param_gather is None else overlap_param_gather)
 
 
 class ZeroEngine:

@@ -403,12 +403,14 @@ def owner_of(params):
 
 
 def check_free(owned, index):
-    """The units zerokern.shard() made are this optimizer's to take: not another's, none of their
-    params frozen since, all of them given."""
+    """The units zerokern.shard() made are this optimizer's to take: not another live one's (an
+    optimizer that was dropped releases its units: a new one may be built, as with torch.optim),
+    none of their params frozen since, all of them given."""
     for u in owned:
-        if u.schedule is not None:
-            raise ValueError(f"zerokern: unit '{u.name}' already belongs to another optimizer; "
-                             "build one optimizer over all of a model's params")
+        if u.schedule is not None and u.schedule.owner is not None and u.schedule.owner() is not None:
+            raise ValueError(f"zerokern: unit '{u.name}' already belongs to another optimizer that is still alive; "
+                             "build one optimizer over all of a model's params, or drop the other one first "
+                             "(del opt, and any reference to it, e.g. a scheduler's; then gc.collect())")
         frozen = [m.name for f in u.flat for m in f.members if not m.param.requires_grad]
         if frozen:
             raise ValueError(f"zerokern: {frozen[0]} (unit '{u.name}') was trainable when zerokern.shard() made the "
@@ -428,6 +430,11 @@ def _pre_hook(unit_ref, k: int, i: int):
         f = unit.flat[k]
         m = f.members[i]
         m.check_moved(f.dtype, f.device)  # before autograd fails on a grad of another dtype or device
+        if grad.layout is not torch.strided:
+            raise RuntimeError(f"zerokern: {m.name} got a sparse gradient (nn.Embedding(..., sparse=True) or "
+                               "EmbeddingBag(..., sparse=True)?), but zerokern's buckets hold dense gradients that "
+                               "are reduced and sharded as one buffer; build the module with sparse=False (torch's "
+                               "AdamW refuses sparse gradients too)")
         # Runs before autograd adds `grad` into the bucket. A bucket still in flight here was
         # launched before this grad came (a reentrant checkpoint segment or shared weights
         # reaching the param twice, or a backward after an interrupted one): wait for it

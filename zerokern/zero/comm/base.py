@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from . import exit_drain
 
 # torch 2.14 renamed the flat-tensor collectives; 2.11 has only the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -73,8 +72,6 @@ class Comm:
         self.rank = dist.get_rank(process_group) if process_group is not None else 0
         self.wait_seconds = 0.0  # host time spent waiting on collectives (bench/overlap.py reads it)
         self.check = check  # [Note: announced collectives] (check.py); None: launched directly
-        if self.distributed:
-            exit_drain.register()  # [Note: exit drain]
 
     @property
     def distributed(self):

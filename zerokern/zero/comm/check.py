@@ -34,11 +34,12 @@ ZEROKERN_CHECK_COLLECTIVES=0 turns all of this off (zerokern's collectives are l
 calling thread, on the user's group; a mismatch is then a hang or an abort again).
 """
 
+import itertools
 import os
 import queue
 import threading
 import zlib
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 
 import torch
@@ -54,6 +55,33 @@ _GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
 _RESTART_HINT = ("If torchrun restarted the workers (--max-restarts) with --rdzv-backend c10d, the store it shares "
                  "with them still holds the last attempt's addresses (pytorch/pytorch#135712): set "
                  "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, or launch without --rdzv-backend c10d.")
+
+
+# [Note: groups only some ranks make] torch names a group made with use_local_synchronization
+# from its ranks and a salt, the counter _world.group_count, and every group made on a rank
+# advances that counter, on the members alone for a local group. So the check's two groups for a
+# sub-group (made by its members only: the other ranks never make a zerokern Comm for it) would
+# leave the members' counters ahead of the others', and the next group made by every rank (a
+# dist.new_group over the world) would get another name, and so another store prefix, on the
+# members than on the rest: every rank waits in its barrier for good (issue 39). So the check
+# makes its local groups off the books: salted by a counter of its own per set of ranks (the
+# members make the check's groups for a set of ranks in the same order), from a range torch's
+# counter never reaches, and torch's counter is put back afterwards.
+# (tests/test_agreement_patterns.py: a sub-group trained on, then a world group.)
+_OFF_THE_BOOKS = 1 << 48
+_LOCAL_SALTS = {}  # ranks -> a counter of the check groups made for them
+
+
+@contextmanager
+def _off_the_books(ranks):
+    world = dist.distributed_c10d._world
+    kept = world.group_count
+    salt = next(_LOCAL_SALTS.setdefault(tuple(ranks), itertools.count()))
+    world.group_count = _OFF_THE_BOOKS + 16 * salt
+    try:
+        yield
+    finally:
+        world.group_count = kept
 
 
 def _new_group(ranks, **kw):
@@ -137,9 +165,10 @@ class CollectiveCheck:
         # Local synchronization: only the group's members create them (a sub-group's other ranks
         # never make a zerokern Comm for it). WORLD's are made by everyone anyway.
         local = group is not dist.group.WORLD
-        self.control = _new_group(ranks, backend="gloo", timeout=timedelta(seconds=self.timeout),
-                                  use_local_synchronization=local)
-        self.data = _new_group(ranks, backend=dist.get_backend(group), use_local_synchronization=local)
+        with _off_the_books(ranks) if local else nullcontext():
+            self.control = _new_group(ranks, backend="gloo", timeout=timedelta(seconds=self.timeout),
+                                      use_local_synchronization=local)
+            self.data = _new_group(ranks, backend=dist.get_backend(group), use_local_synchronization=local)
         self.seq = 0
         self._queue = queue.SimpleQueue()
         self._error = None  # the first failure: every later collective fails with it

@@ -6,6 +6,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from . import check as collective_check
+from . import exit_drain
 from .base import Comm
 from .gloo import GlooComm
 from .hybrid import HybridComm, describe, resolve_mesh
@@ -21,6 +22,7 @@ def make_comm(process_group=None) -> Comm:
     probe = Comm(process_group)  # resolves the default group and the world size
     if not probe.distributed:
         return probe
+    exit_drain.register()  # [Note: exit drain]
     cls = GlooComm if dist.get_backend(probe.group) == "gloo" else Comm
     return cls(probe.group, check=collective_check.for_group(probe.group))
 

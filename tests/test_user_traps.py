@@ -1,0 +1,60 @@
+"""What users write around a sharded model (issue 39), on one process: a clear error naming the
+param or unit and the fix, never torch's internal one or a silent difference."""
+
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerokern
+
+
+class Net(torch.nn.Module):
+    def __init__(self, sparse=False):
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8, sparse=sparse)
+        self.block = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, idx):
+        return self.head(torch.tanh(self.block(self.emb(idx)))).square().mean()
+
+
+def test_a_sparse_embedding_is_refused_naming_the_param_and_the_fix():
+    model = Net(sparse=True)
+    opt = zerokern.FusedZeroAdam(model.named_parameters(), lr=1e-2, zero_stage=2)
+    with pytest.raises(RuntimeError, match=r"emb\.weight got a sparse gradient.*sparse=False"):
+        model(torch.randint(0, 16, (4, 3))).backward()
+    del opt
+    with pytest.raises(ValueError, match=r"zerokern\.shard: emb makes sparse gradients.*sparse=False"):
+        zerokern.shard(Net(sparse=True))
+
+
+@pytest.fixture
+def one_rank_group():
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def test_mixed_sharding_options_name_the_field_and_the_units(one_rank_group):
+    """One unit sharded over another process group than the rest: the error says which group each
+    unit has (it used to list identical ShardConfig lines)."""
+    model = Net()
+    zerokern.shard(model.block, process_group=dist.new_group([0]))
+    zerokern.shard(model.head, bucket_cap_mb=1.0)  # a per-unit option: not a difference
+    zerokern.shard(model)
+    with pytest.raises(ValueError) as e:
+        zerokern.FusedZeroAdam(model.parameters(), lr=1e-2)
+    text = str(e.value)
+    assert text.endswith("process group: group #0 over ranks [0] (Net, head), group #1 over ranks [0] (block)"), text
+
+    other = Net()
+    zerokern.shard(other.block, stage=1)
+    zerokern.shard(other)
+    with pytest.raises(ValueError, match=r"shard\(\) call: stage: 2 \(Net\), 1 \(block\)$"):
+        zerokern.FusedZeroAdam(other.parameters(), lr=1e-2)

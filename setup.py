@@ -8,10 +8,12 @@ and build against another torch.
 
 What is built:
   zerokern._C       C++ CPU operators, always.
-  zerokern._C_cuda  CUDA operators, when torch is a CUDA build and nvcc is found.
-                    ZEROKERN_CUDA=1 forces it (and fails loudly if it cannot be
-                    built), ZEROKERN_CUDA=0 skips it. Architectures:
-                    TORCH_CUDA_ARCH_LIST, default "8.0;9.0+PTX" (A100, H100/H200).
+  zerokern._C_cuda  CUDA operators, when torch is a CUDA build, nvcc is found and
+                    torch sees a GPU (torch.cuda.is_available()). ZEROKERN_CUDA=1
+                    builds it without a GPU too (CI; an image built for GPUs) and
+                    fails loudly if it cannot be built; ZEROKERN_CUDA=0 skips it.
+                    Architectures: TORCH_CUDA_ARCH_LIST, default "8.0;9.0+PTX"
+                    (A100, H100/H200).
 No GPU is needed to build either; nothing is downloaded and nvidia-smi is not run.
 """
 
@@ -63,21 +65,25 @@ def wheel_cuda_includes():
     return [d for d in dirs if glob.glob(os.path.join(d, "cu*.h"))]
 
 
-def cuda_decision(torch_cuda_version, cuda_home):
+def cuda_decision(torch_cuda_version, cuda_home, gpu_visible):
     """(build?, reason) for the CUDA extension; honours ZEROKERN_CUDA."""
     want = os.environ.get("ZEROKERN_CUDA", "auto").strip().lower()
     if want in ("0", "off", "false", "no"):
         return False, "ZEROKERN_CUDA=0"
+    forced = want in ("1", "on", "true", "yes")
     problems = []
     if not torch_cuda_version:
         problems.append("torch is a CPU-only build")
     if not cuda_home:
         problems.append("nvcc was not found (set CUDA_HOME or put nvcc on PATH)")
-    if problems and want in ("1", "on", "true", "yes"):
+    if problems and forced:
         sys.exit("zerokern: ZEROKERN_CUDA=1 but the CUDA extension cannot be built: " + "; ".join(problems))
     if problems:
         return False, "; ".join(problems)
-    return True, f"nvcc in {cuda_home}, torch CUDA {torch_cuda_version}"
+    if not gpu_visible and not forced:
+        # Minutes of nvcc for an extension nothing here can load (issue 38: 3m20s of a newcomer's first install).
+        return False, "no GPU is visible (torch.cuda.is_available() is False); ZEROKERN_CUDA=1 builds it anyway"
+    return True, f"nvcc in {cuda_home}, torch CUDA {torch_cuda_version}" + ("" if gpu_visible else ", ZEROKERN_CUDA=1")
 
 
 def write_build_info(built_cuda, reason, archs):
@@ -132,7 +138,7 @@ def extensions():
         )
     ]
 
-    build_cuda, reason = cuda_decision(torch.version.cuda, cuda_home)
+    build_cuda, reason = cuda_decision(torch.version.cuda, cuda_home, torch.cuda.is_available())
     archs = os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCHS) if build_cuda else ""
     if build_cuda:
         exts.append(

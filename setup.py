@@ -15,6 +15,8 @@ What is built:
                     Architectures: TORCH_CUDA_ARCH_LIST, default "8.0;9.0+PTX"
                     (A100, H100/H200).
 No GPU is needed to build either; nothing is downloaded and nvidia-smi is not run.
+What was built and why, and a line per compiled file, reach the terminal even
+under pip, which hides a build's output without -v (see say()).
 """
 
 import glob
@@ -24,6 +26,8 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import threading
+import time
 
 from setuptools import setup
 
@@ -84,6 +88,61 @@ def cuda_decision(torch_cuda_version, cuda_home, gpu_visible):
         # Minutes of nvcc for an extension nothing here can load (issue 38: 3m20s of a newcomer's first install).
         return False, "no GPU is visible (torch.cuda.is_available() is False); ZEROKERN_CUDA=1 builds it anyway"
     return True, f"nvcc in {cuda_home}, torch CUDA {torch_cuda_version}" + ("" if gpu_visible else ", ZEROKERN_CUDA=1")
+
+
+def say(line, _out=[]):
+    """Print a build message where the person installing sees it.
+
+    pip shows nothing of a build's output (ours, ninja's) without -v, and a clean
+    build takes minutes: so the terminal itself (/dev/tty) when there is one; else
+    stdout, which pip -v and CI logs show."""
+    if not _out:
+        try:
+            _out.append(sys.stdout if sys.stdout.isatty() else open("/dev/tty", "w"))
+            if _out[0] is not sys.stdout:
+                _out[0].write("\n")  # off the line pip's spinner is on
+        except OSError:  # no terminal: CI, a pipe, a detached job
+            _out.append(sys.stdout)
+    out = _out[0]
+    # on a terminal, \r writes over the spinner character pip leaves at the start of the line
+    out.write(("\r" if out.isatty() else "") + line + "\n")
+    out.flush()
+
+
+class SayEachFile:
+    """Mixed into torch's BuildExtension (one ninja run per extension): says what is built and
+    why (summary), then each file as it is compiled. ninja's own [n/N] lines go to stdout,
+    which pip hides; this watches the object files instead."""
+
+    summary = ""
+
+    def build_extensions(self):
+        say(self.summary)  # here, not when setup.py runs: pip runs it for the metadata too
+        super().build_extensions()
+
+    def build_extension(self, ext):
+        done = threading.Event()
+        watch = threading.Thread(target=self._watch, args=(ext, done), daemon=True)
+        watch.start()
+        try:
+            super().build_extension(ext)
+        finally:
+            done.set()
+            watch.join()
+
+    def _watch(self, ext, done):
+        objects = self.compiler.object_filenames(ext.sources, output_dir=os.path.abspath(self.build_temp))
+        stamp = {o: os.path.getmtime(o) if os.path.exists(o) else None for o in objects}
+        start, compiled = time.monotonic(), 0
+        while True:
+            finished = done.wait(1.0)
+            for src, obj in zip(ext.sources, objects):
+                if obj in stamp and os.path.exists(obj) and os.path.getmtime(obj) != stamp[obj]:
+                    del stamp[obj]
+                    compiled += 1
+                    say(f"zerokern: {ext.name} [{compiled}/{len(objects)}] {src} ({time.monotonic() - start:.0f} s)")
+            if finished:
+                return
 
 
 def write_build_info(built_cuda, reason, archs):
@@ -164,11 +223,11 @@ def extensions():
                 },
             )
         )
-        print(f"zerokern: building CPU and CUDA extensions (archs {archs}; {reason})", flush=True)
+        summary = f"zerokern: building CPU and CUDA extensions (archs {archs}; {reason})"
     else:
-        print(f"zerokern: building the CPU extension; CUDA extension skipped: {reason}", flush=True)
+        summary = f"zerokern: building the CPU extension; CUDA extension skipped: {reason}"
     write_build_info(build_cuda, reason, archs)
-    return exts, {"build_ext": BuildExtension}
+    return exts, {"build_ext": type("BuildExt", (SayEachFile, BuildExtension), {"summary": summary})}
 
 
 ext_modules, cmdclass = extensions()

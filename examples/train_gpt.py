@@ -4,7 +4,7 @@
     torchrun --nproc_per_node=2 examples/train_gpt.py --optimizer torch     # DDP + torch.optim.AdamW
     torchrun --nproc_per_node=2 examples/train_gpt.py --zero-stage 1 --dtype bf16 --grad-accum 4
     python examples/train_gpt.py                                            # one process
-    torchrun --nproc_per_node=2 --max-restarts=1 examples/train_gpt.py --ckpt-dir ckpt --kill-at-step 25
+    torchrun --nproc_per_node=2 --max-restarts=1 examples/train_gpt.py --ckpt-dir build/ckpt --kill-at-step 25
 
 --ckpt-dir: a DCP checkpoint of the model and optimizer every --ckpt-every steps, and a run
 that finds one there resumes from the latest (at any world size: DCP re-shards). With

@@ -104,3 +104,31 @@ def test_zero_trainer_takes_hyperparameters_from_training_arguments(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
     with pytest.raises(ValueError, match=r"set TrainingArguments\(max_grad_norm=...\) instead"):
         ZeroTrainer(model=torch.nn.Linear(2, 2), args=args, zero_kwargs={"max_grad_norm": 1.0})
+
+
+def test_zero_optimizer_reaches_memory_report_under_the_wrapper(tmp_path):
+    """trainer.optimizer is Accelerate's AcceleratedOptimizer, which has no memory_report()
+    (issue 38: the README's opt.memory_report() raised AttributeError there); trainer.zero_optimizer
+    is the FusedZeroAdam under it. One process, one step of a Linear."""
+    from transformers import TrainingArguments
+
+    from zerokern import FusedZeroAdam
+    from zerokern.integrations.hf import ZeroTrainer
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+
+        def forward(self, x, labels):
+            return {"loss": ((self.lin(x).squeeze(-1) - labels) ** 2).mean()}
+
+    data = [{"x": torch.randn(4), "labels": torch.tensor(1.0)} for _ in range(2)]
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1, use_cpu=True,
+                             report_to=[], save_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
+    trainer = ZeroTrainer(model=Tiny(), args=args, train_dataset=data)
+    assert trainer.zero_optimizer is None  # built by train()
+    trainer.train()
+    assert not hasattr(trainer.optimizer, "memory_report")  # the wrapper
+    assert isinstance(trainer.zero_optimizer, FusedZeroAdam)
+    assert trainer.zero_optimizer.memory_report()["total"] > 0

@@ -4,7 +4,7 @@
 // (tests/test_adam_errors.py holds both to the same messages).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>  // not ATen/ATen.h (every op): 4x the parse time of each file (docs/build.md)
 #include <c10/util/Exception.h>
 
 #include <optional>

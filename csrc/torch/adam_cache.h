@@ -26,7 +26,7 @@
 
 #include <Python.h>
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>  // not ATen/ATen.h (every op): 4x the parse time of each file (docs/build.md)
 
 #include <cstdint>
 #include <initializer_list>

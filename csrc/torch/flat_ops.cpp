@@ -1,5 +1,6 @@
 #include "flat_ops.h"
 
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 #if defined(__linux__)

@@ -4,7 +4,7 @@
 // the CPU and CUDA bindings pass in their kernel launcher.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>  // not ATen/ATen.h (every op): 4x the parse time of each file (docs/build.md)
 
 #include <optional>
 #include <vector>

@@ -6,6 +6,7 @@
                           train_dataset=ds, zero_kwargs={"zero_stage": 2})
     trainer.train()                       # torchrun --nproc_per_node=N train.py
     trainer.train(resume_from_checkpoint=True)   # at any world size
+    trainer.zero_optimizer.memory_report()       # trainer.optimizer is Accelerate's wrapper
 
 ZeroTrainer is a Trainer that builds FusedZeroAdam from the TrainingArguments
 (learning_rate, adam_beta1/2, adam_epsilon, weight_decay with Trainer's
@@ -70,6 +71,12 @@ class ZeroTrainer(Trainer):
     def _zero_optimizer(self):
         opt = getattr(self.optimizer, "optimizer", self.optimizer)  # inside Accelerate's wrapper
         return opt if isinstance(opt, FusedZeroAdam) else None
+
+    @property
+    def zero_optimizer(self):
+        """The FusedZeroAdam (None before train() builds it): trainer.optimizer is Accelerate's
+        wrapper, which has no memory_report()."""
+        return self._zero_optimizer()
 
     def save_model(self, output_dir=None, _internal_call=False):
         opt = self._zero_optimizer()

@@ -129,3 +129,59 @@ def test_a_skipped_step_is_reported_to_accelerate():
         opt.step()
         skipped.append(accelerator.optimizer_step_was_skipped)
     assert skipped == [True, False], skipped
+
+
+# The Accelerator methods attach() replaces (issue 39: pinned by nothing but this test).
+REPLACED = ("prepare_model", "prepare_optimizer", "no_sync", "clip_grad_norm_", "get_state_dict", "save_state",
+            "load_state", "free_memory")
+
+
+def _accepts(mine, theirs):
+    """What a caller of Accelerate's method may pass, `mine` takes, with the same defaults; and
+    every parameter `mine` names is Accelerate's. Returns the differences."""
+    mp, tp = mine.parameters, [p for n, p in theirs.parameters.items() if n != "self"]
+    var_kw = any(p.kind is p.VAR_KEYWORD for p in mp.values())
+    var_pos = any(p.kind is p.VAR_POSITIONAL for p in mp.values())
+    problems = []
+    for p in tp:
+        q = mp.get(p.name)
+        if q is None:
+            if not ((p.kind is p.VAR_POSITIONAL and var_pos) or (p.kind is not p.VAR_POSITIONAL and var_kw)):
+                problems.append(f"Accelerate's '{p.name}' is not taken")
+        elif q.default is not p.default and q.default != p.default:
+            problems.append(f"'{p.name}' defaults to {q.default!r}, Accelerate's to {p.default!r}")
+    names = {p.name for p in tp}
+    problems += [f"'{n}' is not Accelerate's" for n, q in mp.items()
+                 if n not in names and q.kind not in (q.VAR_KEYWORD, q.VAR_POSITIONAL)]
+    return problems
+
+
+def test_attach_replaces_methods_with_the_installed_accelerates_signatures():
+    import inspect
+    import types
+
+    from accelerate import Accelerator
+
+    from zerokern.integrations.accelerate import attach
+    stand_in = types.SimpleNamespace(**{name: getattr(Accelerator, name) for name in REPLACED})
+    attach(stand_in)
+    problems = {name: _accepts(inspect.signature(getattr(stand_in, name)), inspect.signature(getattr(Accelerator, name)))
+                for name in REPLACED}
+    assert not any(problems.values()), {k: v for k, v in problems.items() if v}
+
+
+def test_the_signature_check_finds_a_difference():
+    import inspect
+
+    def theirs(self, model, device_placement=None, evaluation_mode=False):
+        pass
+
+    def renamed(model, placement=None, evaluation_mode=False):
+        pass
+
+    def changed_default(model, device_placement=None, evaluation_mode=True):
+        pass
+
+    assert _accepts(inspect.signature(renamed), inspect.signature(theirs))
+    assert _accepts(inspect.signature(changed_default), inspect.signature(theirs))
+    assert not _accepts(inspect.signature(lambda model, **kw: None), inspect.signature(theirs))

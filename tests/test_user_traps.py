@@ -58,3 +58,24 @@ def test_mixed_sharding_options_name_the_field_and_the_units(one_rank_group):
     zerokern.shard(other)
     with pytest.raises(ValueError, match=r"shard\(\) call: stage: 2 \(Net\), 1 \(block\)$"):
         zerokern.FusedZeroAdam(other.parameters(), lr=1e-2)
+
+
+def test_a_sharded_param_read_through_a_value_property_names_itself():
+    """x @ model.head.weight.mT with the head's unit sharded (stage 3: the param holds an empty
+    tensor between gathers) raised torch's "tensor.mT is only supported on matrices"; the value
+    properties (.T, .mT, .H, .real) now raise zerokern's error as .t() does, metadata reads pass."""
+    from zerokern.zero.params import empty
+
+    class Flat:  # what mark_empty needs of a FlatParams: the member's name
+        members = [type("Member", (), {"name": "head.weight"})()]
+
+    flat = Flat()
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    p.data = torch.empty(0)
+    empty.mark_empty(p, flat, 0)
+    for read in (lambda: p.mT, lambda: p.T, lambda: p.H, lambda: p.real, lambda: p.t(), lambda: torch.ones(2, 3) @ p.mT):
+        with pytest.raises(RuntimeError, match=r"zerokern: head\.weight was used \(\w+\) outside its unit's forward"):
+            read()
+    assert p.shape == (0,) and p.grad is None and p.data.numel() == 0 and p.requires_grad
+    empty.mark_full(p)
+    assert type(p) is torch.nn.Parameter

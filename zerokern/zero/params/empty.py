@@ -31,6 +31,11 @@ _ALLOWED = {
     "__get__", "__set__", "__delete__", "_make_subclass", "module_load",
 }
 
+# Properties whose value is computed from the param's values (a transpose, a view of them): a
+# property read reaches __torch_function__ as its __get__, which _ALLOWED lets through for the
+# metadata ones (shape, grad, data), so these are told apart by the property's name.
+_VALUE_PROPERTIES = {"T", "mT", "H", "mH", "real", "imag"}
+
 _WHERE = WeakIdKeyDictionary()  # param -> (weakref to its FlatParams, its index there)
 _CLASSES = {}  # a param class -> its sharded subclass
 _SHARDED = set()  # those subclasses
@@ -48,11 +53,11 @@ def let_through():
         _passing[0] -= 1
 
 
-def _refuse(func, param):
+def _refuse(func, param, op=None):
     flat_ref, i = _WHERE.get(param, (lambda: None, 0))
     flat = flat_ref()
     name = flat.members[i].name if flat is not None else "a stage-3 param"
-    op = getattr(func, "__name__", str(func))
+    op = op or getattr(func, "__name__", str(func))
     if op.endswith("_") and not op.startswith("_"):  # in place: clamp_, copy_, an nn.init call
         return RuntimeError(
             f"zerokern: {name} was changed in place ({op}) outside its unit's forward and backward, where at "
@@ -70,6 +75,9 @@ def _sharded_class(cls):
     if sub is None:
         def __torch_function__(klass, func, types, args=(), kwargs=None):
             name = getattr(func, "__name__", "")
+            if name == "__get__":  # a property read: .shape passes, .mT computes from the values
+                prop = getattr(getattr(func, "__self__", None), "__name__", "")
+                name = prop if prop in _VALUE_PROPERTIES else name
             # dynamo's tracing inspects params (is_conj, fake copies) and runs zerokern's hooks:
             # left to it (a compiled graph that computes with an empty param fails on its shape)
             if (name not in _ALLOWED and not name.startswith(("is_", "_is_")) and not _passing[0]
@@ -77,7 +85,7 @@ def _sharded_class(cls):
                 for a in list(args) + list((kwargs or {}).values()):
                     for x in (a if isinstance(a, (list, tuple)) else (a,)):  # torch.cat([w, ...]), _foreach_*
                         if type(x) in _SHARDED:
-                            raise _refuse(func, x)
+                            raise _refuse(func, x, name)
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
         # run eagerly, never traced: dynamo inlining it lost the DisableTorchFunctionSubclass

@@ -32,6 +32,11 @@ def _entry(fn, rank, world, tmp, args, backend):
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+        if backend == "gloo":
+            # init returns on a rank once its own connections are up: a rank function that ended at
+            # once could close them while a peer still connects ("Connection closed by peer" there,
+            # seen on a loaded 2-core machine). Every rank has joined once this returns.
+            dist.barrier()
         result = ("ok", fn(rank, world, *args))
     except BaseException as e:  # noqa: BLE001  reported to the parent
         result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")

@@ -35,12 +35,14 @@ def leave_state_behind(rank, world):
     """Changes what a process-wide setting can change, and keeps a group and a zerokern optimizer."""
     import zerokern
 
+    # the group first: the optimizer's collectives below wait for every rank to have made it (a rank
+    # that returned at once could close the group's connections while its peer still connected)
+    dist.new_group([0, 1])
     model = torch.nn.Linear(4, 4)
     leave_state_behind.kept = zerokern.FusedZeroAdam(model.parameters(), lr=1e-3)
     os.environ["ZEROKERN_CHECK_COLLECTIVES"] = "0"
     torch.set_default_dtype(torch.float64)
     torch.manual_seed(1234 + rank)
-    dist.new_group([0, 1])
     return dict(pid=os.getpid(), dtype=torch.get_default_dtype())
 
 

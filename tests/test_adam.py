@@ -52,7 +52,10 @@ def assert_close_lists(actual, expected, rtol, atol):
 @pytest.mark.parametrize("adam_w_mode", [True, False])
 def test_matches_reference(backend, grad_dtype, model_dtype, adam_w_mode):
     device = device_for(backend)
-    state = make_state(ODD_SIZES, grad_dtype, device, model_dtype=model_dtype)
+    # Under TRITON_INTERPRET each 1024-element tile is a numpy program (~30 ms a step): 70001's 69 of
+    # them made this test 10 s; 4097 has full tiles and a masked tail too (as in test_lowbit.py).
+    interpreted = backend == "triton" and device == "cpu"
+    state = make_state(ODD_SIZES[:-1] if interpreted else ODD_SIZES, grad_dtype, device, model_dtype=model_dtype)
     ref = clone_state(state)
     run(backend, state, 5, adam_w_mode=adam_w_mode)
     run("torch", ref, 5, adam_w_mode=adam_w_mode)

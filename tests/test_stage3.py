@@ -119,9 +119,9 @@ def test_a_model_too_large_for_one_rank_trains_within_the_budget(monkeypatch):
     with glibc's mmap threshold fixed at 64 KiB so a freed buffer goes back to the OS at once
     (by default glibc raises the threshold after the first large free and keeps freed buffers,
     which would count memory the process no longer uses)."""
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # the spawned ranks inherit it
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # glibc reads it at start: fresh (spawned) ranks
     world = 2
-    rs = dist_harness.values(dist_harness.run(W.too_large_for_one_rank, world, timeout=300))
+    rs = dist_harness.values(dist_harness.run(W.too_large_for_one_rank, world, timeout=300, fresh=True))
     n = rs[0]["n_params"]
     whole_params, whole_training = 4 * n, 16 * n  # fp32 params; params + grads + fp32 Adam m and v
     budget = 0.75 * whole_training  # one rank holding everything would need 16 bytes/param

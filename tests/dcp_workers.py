@@ -74,8 +74,8 @@ def resume(rank, world, path, dtype, via):
 def save_without_protocol(rank, world, path):
     """As on torch before 2.14 (no CheckpointableTensor in DCP): dcp.save of sharded state is a
     clear error on every rank instead of keeping one rank's slices."""
-    from zerokern.optim import state_dict as checkpoint
-    checkpoint.HAS_PROTOCOL = False
+    from zerokern.zero.core import dcp_marks
+    dcp_marks.HAS_PROTOCOL = False
     model, opt = build(world, torch.float32)
     train(model, opt, rank, world, 0, 1)
     try:

@@ -28,7 +28,7 @@ rank's part; a marked slice must be this rank's slice.
 import torch
 
 from ..kernels import lowbit
-from ..zero.core.dcp_marks import HAS_PROTOCOL, mark_boxes, mark_slice  # noqa: F401 (re-exported)
+from ..zero.core.dcp_marks import mark_slice  # noqa: F401 (FusedZeroAdam marks its state with it)
 
 FORMAT = 3
 SLICED = ("exp_avg", "exp_avg_sq", "master_param")

@@ -157,7 +157,7 @@ def run(fn, world, *args, timeout=120, backend="gloo", fresh=False):
         hung = [r for r in range(world) if r not in codes]
         if hung:
             raise TimeoutError(f"ranks {hung} did not finish within {timeout} s")
-        died = {r: code for r, code in codes.items() if code != 0}
+        died = {r: codes[r] for r in sorted(codes) if codes[r] != 0}  # by rank: the same text whichever exited first
         if died:
             raise AssertionError(f"rank processes exited abnormally (rank: exit code, -6 = SIGABRT): {died}")
         results = []

@@ -132,4 +132,4 @@ def test_the_checks_find_what_they_look_for():
     chain = _longest_chain({"z.a": {"z.b"}, "z.b": {"z.c", "x"}, "z.c": set(), "x": set()}, "z")
     assert chain == ["z.a", "z.b", "z.c"]
     graph = _graph(top_only=True)
-    assert "zerokern.zero.core.stage" in graph["zerokern.zero.engine"]  # the reader sees real imports
+    assert {"zerokern.zero.agreement", "zerokern.zero.unit"} <= graph["zerokern.zero.engine"]  # real imports

@@ -148,9 +148,10 @@ def test_shard_refuses_bad_input():
     zerokern.shard(model)
     with pytest.raises(ValueError, match=r"FusedZeroAdam\(zero_stage=1\), but zerokern.shard\(\) set 2"):
         FusedZeroAdam(model.parameters(), zero_stage=1)
-    FusedZeroAdam(model.parameters())
+    first = FusedZeroAdam(model.parameters())  # alive: a dropped one releases its units (issue 39)
     with pytest.raises(ValueError, match="already belongs to another optimizer"):
         FusedZeroAdam(model.parameters())
+    del first
 
 
 @pytest.mark.cuda

@@ -60,6 +60,17 @@ def _full_params(model, opt):
     return out
 
 
+def _step_with_reference(model, opt, ref, ref_opt, idx, rank):
+    """One step of the sharded model on this rank's part of idx, and of the one-process reference
+    on all of it."""
+    opt.zero_grad()
+    _loss(model, idx[rank * BATCH:(rank + 1) * BATCH]).backward()
+    opt.step()
+    ref_opt.zero_grad()
+    _loss(ref, idx).backward()
+    ref_opt.step()
+
+
 def _mine(opt):
     """The stage-3 units of this optimizer (the runtime is shared by every model on the group)."""
     return [opt.stage3.of(u) for u in opt.units]
@@ -218,13 +229,7 @@ def meta_init(rank, world, head_unit=False, steps=4):
     ref.load_state_dict(start, strict=False)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
     for step in range(steps):
-        idx = _data(step, world)
-        opt.zero_grad()
-        _loss(model, idx[rank * BATCH:(rank + 1) * BATCH]).backward()
-        opt.step()
-        ref_opt.zero_grad()
-        _loss(ref, idx).backward()
-        ref_opt.step()
+        _step_with_reference(model, opt, ref, ref_opt, _data(step, world), rank)
     end = _full_params(model, opt)
     out["max_diff_ref"] = max(abs_diff(end[k], v) for k, v in ref.named_parameters())
     return out
@@ -512,13 +517,7 @@ def rebuilt_optimizer(rank, world, steps=2):
         opt = zerokern.FusedZeroAdam(model.parameters(), lr=lr, weight_decay=0.01)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=0.01)
         for step in range(steps):
-            idx = _data(10 * phase + step, world)
-            opt.zero_grad()
-            _loss(model, idx[rank * BATCH:(rank + 1) * BATCH]).backward()
-            opt.step()
-            ref_opt.zero_grad()
-            _loss(ref, idx).backward()
-            ref_opt.step()
+            _step_with_reference(model, opt, ref, ref_opt, _data(10 * phase + step, world), rank)
         if phase == 0:
             try:  # the first optimizer is still alive: the error says how to release the units
                 zerokern.FusedZeroAdam(model.parameters(), lr=lr)

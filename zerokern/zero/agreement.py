@@ -35,7 +35,8 @@ class StepFlags:
     def pack(self, device, found_inf=None, grad_scale=None) -> torch.Tensor:
         """The tensor to all-reduce; found_inf and grad_scale (tensors) are written on the device,
         without a host read."""
-        flags = torch.tensor([float(v) for v in self.had + self.needs + list(self.edited)] + [0.0] * 4,
+        # one list, as torch takes it (no per-element conversion in Python: a step's per-param cost)
+        flags = torch.tensor(self.had + self.needs + list(self.edited) + [0.0] * 4,
                              dtype=torch.float32, device=device)
         for k, t in ((4, found_inf), (2, grad_scale)):
             if t is not None:

@@ -27,6 +27,11 @@ from .placeholder import CONSUMED, ShardedGrad
 from .released import ReleasingGradBucket
 
 
+def _bucket_name(flat, b) -> str:
+    """For errors, profiler labels and the collective check: unit, dtype, bucket index."""
+    return f"{flat.unit_name}:{str(flat.dtype).replace('torch.', '')}:{b.index}"
+
+
 def note_stale(flat, i: int) -> None:
     """A backward adding to a grad step() had consumed and freed (stages 2/3) cannot give torch's
     numbers: the bucket notes it and step() raises on every rank ([Note: grads after step])."""
@@ -37,9 +42,8 @@ def note_stale(flat, i: int) -> None:
 
 class LocalGrads:
     def make_buckets(self, flat, comm, strategy):
-        dt = str(flat.dtype).replace("torch.", "")
         return [GradBucket(flat.layout, b, flat.dtype, flat.device, comm, flat.rank, strategy.reduce_scatters,
-                           f"{flat.unit_name}:{dt}:{b.index}") for b in flat.layout.buckets]
+                           _bucket_name(flat, b)) for b in flat.layout.buckets]
 
     def before_accumulate(self, flat, i: int) -> None:
         m, bucket = flat.members[i], flat.bucket_of(i)
@@ -76,9 +80,8 @@ class ReleasedGrads:
     """Stages 2/3 on several ranks ([Note: stage-2 memory], [Note: stage-2 .grad])."""
 
     def make_buckets(self, flat, comm, strategy):
-        dt = str(flat.dtype).replace("torch.", "")
         return [ReleasingGradBucket(flat.layout, b, flat.dtype, flat.device, comm, flat.rank, True,
-                                    f"{flat.unit_name}:{dt}:{b.index}",
+                                    _bucket_name(flat, b),
                                     on_release=functools.partial(self.released, flat),
                                     on_launch=functools.partial(self.reconcile, flat))
                 for b in flat.layout.buckets]

@@ -133,3 +133,27 @@ def test_the_checks_find_what_they_look_for():
     assert chain == ["z.a", "z.b", "z.c"]
     graph = _graph(top_only=True)
     assert {"zerokern.zero.agreement", "zerokern.zero.unit"} <= graph["zerokern.zero.engine"]  # real imports
+
+
+def test_grad_buckets_never_reach_their_owner():
+    """A grad bucket keeps buffers and collectives only (issue 36): its modules import core/ and
+    each other, nothing that owns a bucket (the grad path, the unit, the schedule), and no method
+    calls an attribute the constructor was handed (a callback into the owner)."""
+    graph = _graph(top_only=False)
+    buckets = ("zerokern.zero.grads.bucket", "zerokern.zero.grads.released")
+    bad = [f"{m} imports {d}" for m in buckets for d in sorted(graph[m])
+           if d.startswith("zerokern.zero") and not d.startswith(("zerokern.zero.core",) + buckets)]
+    for m in buckets:
+        tree = ast.parse(MODULES[m].read_text())
+        for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+            init = next((f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"), None)
+            args = {a.arg for a in init.args.args + init.args.kwonlyargs} if init else set()
+            handed = {t.attr for n in ast.walk(init) if isinstance(n, ast.Assign) for t in n.targets
+                      if isinstance(t, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in args} \
+                if init else set()
+            for call in (n for n in ast.walk(cls) if isinstance(n, ast.Call)):
+                f = call.func
+                if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" \
+                        and f.attr in handed:
+                    bad.append(f"{m}.{cls.name} calls self.{f.attr}(), handed to its constructor")
+    assert not bad, "\n".join(bad)

@@ -67,7 +67,7 @@ class ZeroEngine:
         # [Note: one collective order] in grads/schedule.py: buckets by when backward completes them.
         placed = sorted(((f, b) for u in self.units for f in u.flat for b in range(len(f.buckets))),
                         key=lambda fb: -min(index[fb[0].params[i]] for i in fb[0].layout.buckets[fb[1]].tensors))
-        self.schedule = ReduceSchedule([f.buckets[b] for f, b in placed], self.comm, config.overlap_comm)
+        self.schedule = ReduceSchedule([(f, f.buckets[b]) for f, b in placed], path, self.comm, config.overlap_comm)
         self.schedule.owner = weakref.ref(self)
         for u in self.units:
             u.schedule = self.schedule

@@ -441,7 +441,7 @@ def _pre_hook(unit_ref, k: int, i: int):
         # first, so the add never races the collective ([Note: the local grads are the truth]).
         bucket = f.bucket_of(i)
         if bucket.state is BucketState.IN_FLIGHT:
-            bucket.wait()
+            f.grads.settle(f, bucket)
         f.grads.before_accumulate(f, i)
     return pre_hook
 

@@ -11,17 +11,20 @@ at stage 1 it reduce-scatters into a shard of its own and .grad keeps the local 
 ReleasedGrads, stages 2 and 3 on several ranks: [Note: stage-2 memory] (released.py) and
 [Note: stage-2 .grad] (placeholder.py). Both answer:
     make_buckets(flat, comm, strategy)   the dtype group's GradBuckets
+    launch / settle / abandon(flat, b)   the bucket's transitions, as ReduceSchedule (and a grad
+    end_round(flat, b, release)          that arrives while its bucket is in flight) drives them:
+    zero(flat, b, set_to_none)           what the mode does around each is done here, so a bucket
+                                         keeps buffers and collectives only
     before_accumulate(flat, i)           autograd is about to add a grad into params[i].grad
     grad_changed(flat, i)                params[i].grad is no longer the tensor the runtime bound
     after_backward(agreement)            the mode's agreement after a synced backward (several
                                          ranks with local grads: stage 1 here)
 """
 
-import functools
-
 import torch
 
 from ..core.stage import GradMode, Strategy
+from ..core.states import BucketState
 from .bucket import GradBucket
 from .placeholder import CONSUMED, ShardedGrad
 from .released import ReleasingGradBucket
@@ -58,6 +61,22 @@ class LocalGrads:
     def grad_changed(self, flat, i: int) -> None:
         """Nothing to forget: the local grads are the truth, and sync_grad moves a new one in."""
 
+    # The bucket's own transitions are the whole story here: its buffer is kept until zero_grad().
+    def launch(self, flat, bucket) -> None:
+        bucket.launch()
+
+    def settle(self, flat, bucket) -> None:
+        bucket.wait()
+
+    def abandon(self, flat, bucket) -> None:
+        bucket.abandon()
+
+    def end_round(self, flat, bucket, release: bool) -> None:
+        bucket.release() if release else bucket.end_round()
+
+    def zero(self, flat, bucket, set_to_none: bool) -> None:
+        bucket.zero(set_to_none)
+
     def after_backward(self, agreement) -> None:
         """[Note: overflow on any rank] at stage 1: if a reduced shard holds an inf/nan on some
         rank, an inf is written into a local grad on every rank, so every rank's GradScaler
@@ -81,10 +100,41 @@ class ReleasedGrads:
 
     def make_buckets(self, flat, comm, strategy):
         return [ReleasingGradBucket(flat.layout, b, flat.dtype, flat.device, comm, flat.rank, True,
-                                    _bucket_name(flat, b),
-                                    on_release=functools.partial(self.released, flat),
-                                    on_launch=functools.partial(self.reconcile, flat))
+                                    _bucket_name(flat, b))
                 for b in flat.layout.buckets]
+
+    # --- the bucket's transitions ([Note: stage-2 memory] in released.py) ------------------
+
+    def launch(self, flat, bucket) -> None:
+        """A re-launch first settles the last reduction; the members' .grad changes are taken at
+        the same point of the collective order on every rank (reconcile), then the pending grads go."""
+        self.settle(flat, bucket)
+        self.reconcile(flat, bucket)
+        bucket.launch()
+
+    def settle(self, flat, bucket) -> None:
+        """IN_FLIGHT -> REDUCED: the full buffer, scratch since the launch, goes back to the pool."""
+        if bucket.state is BucketState.IN_FLIGHT:
+            bucket.wait()
+            self._give_back(flat, bucket)
+
+    def abandon(self, flat, bucket) -> None:
+        self.settle(flat, bucket)
+        bucket.abandon()
+
+    def end_round(self, flat, bucket, release: bool) -> None:
+        """After step() (release or not: the full buffer never outlives the round here)."""
+        self.settle(flat, bucket)
+        self._give_back(flat, bucket)
+        bucket.end_round()
+
+    def zero(self, flat, bucket, set_to_none: bool) -> None:
+        self.end_round(flat, bucket, True)
+
+    def _give_back(self, flat, bucket) -> None:
+        if bucket.full is not None:
+            self.released(flat, bucket)  # the .grad views become placeholders before the buffer goes
+            bucket.give_back()
 
     def before_accumulate(self, flat, i: int) -> None:
         note_stale(flat, i)

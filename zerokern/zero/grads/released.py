@@ -43,10 +43,8 @@ from .bucket import GradBucket
 class ReleasingGradBucket(GradBucket):
     draws_from_pool = True
 
-    def __init__(self, *args, on_release, on_launch, **kwargs):
+    def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.on_release = on_release  # ReleasedGrads.released: the members' .grad views become placeholders
-        self.on_launch = on_launch  # ReleasedGrads.reconcile: the members' .grad changes are taken (drop_reduced)
         self.pool = None  # set by the ReduceSchedule that owns the bucket; plain allocation until then
         self._base = None  # the pool buffer self.full is a prefix of
         self._scratch = None  # where the running reduction leaves its result, if not in self.shard
@@ -92,10 +90,12 @@ class ReleasingGradBucket(GradBucket):
         self._unwritten.discard(index)
         return view
 
-    def _free_full(self) -> None:
+    def give_back(self) -> None:
+        """The full buffer goes back to the pool. The grad path (ReleasedGrads) calls this once the
+        members' .grad no longer view it (they became placeholders): the bucket never reaches back
+        into its owner, so whoever drives it hands out the placeholders first."""
         if self.full is None:
             return
-        self.on_release(self)
         self.full = None
         self._unwritten = set()
         if self._base is not None:
@@ -132,9 +132,11 @@ class ReleasingGradBucket(GradBucket):
         return self.has_reduced and self.full is not None and self.full._version != self.known_version
 
     def launch(self) -> None:
-        """IDLE/REDUCED -> IN_FLIGHT: the pending grads (zeros for members without one) are reduced."""
-        self.wait()
-        self.on_launch(self)
+        """IDLE/REDUCED -> IN_FLIGHT: the pending grads (zeros for members without one) are reduced.
+        ReleasedGrads.launch settles a reduction still in flight and takes the members' .grad changes
+        first."""
+        if self.state is BucketState.IN_FLIGHT:
+            raise RuntimeError(f"zerokern internal error: bucket {self.name} launched while its reduction runs")
         full = self.full_buffer()
         for i in self._unwritten:  # no grad in this buffer (one may be in the shard already): zeros
             s = self.layout.slots[i]
@@ -152,7 +154,8 @@ class ReleasingGradBucket(GradBucket):
         self.overflow = None  # the shard changes: a flag agreed before no longer holds
 
     def wait(self) -> None:
-        """IN_FLIGHT -> REDUCED: the average is added into the shard and the full buffer released."""
+        """IN_FLIGHT -> REDUCED: the average is added into the shard. The full buffer is scratch from
+        now on; ReleasedGrads.settle gives it back."""
         if self.state is not BucketState.IN_FLIGHT:
             return
         self.comm.wait(self.work)
@@ -166,12 +169,12 @@ class ReleasingGradBucket(GradBucket):
             torch.div(result, self.comm.dp_size, out=self.shard)
         self.has_reduced = True
         self.state = BucketState.REDUCED
-        self._free_full()
 
     def end_round(self) -> None:
-        """After step(): -> IDLE, the full buffer (if any) released, the shard stale."""
-        self.wait()
-        self._free_full()
+        """After step(): -> IDLE, the shard stale. ReleasedGrads.end_round settled the reduction and
+        gave the full buffer back first."""
+        if self.state is BucketState.IN_FLIGHT or self.full is not None:
+            raise RuntimeError(f"zerokern internal error: bucket {self.name} ended its round holding a buffer")
         self.state = BucketState.IDLE
         self.ready.clear()
         self.rewritten = False
@@ -181,14 +184,9 @@ class ReleasingGradBucket(GradBucket):
         self.stale_accumulation = False
         self.got = [False] * len(self.got)
 
-    def zero(self, set_to_none: bool = True) -> None:
-        self.end_round()
-
-    def release(self) -> None:
-        self.end_round()
-
     def abandon(self) -> None:
-        self.wait()  # the reduction of an interrupted backward is kept: torch keeps its partial grads too
+        """After ReleasedGrads.settle: the reduction of an interrupted backward is kept (torch keeps
+        its partial grads too)."""
         self.ready.clear()
 
     def nbytes(self) -> dict:

@@ -21,7 +21,7 @@ whether their results are still valid when step() comes.
 import inspect
 import weakref
 from collections import deque
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -31,9 +31,14 @@ from ..core.states import BackwardState
 
 
 class ReduceSchedule:
-    def __init__(self, buckets: List[GradBucket], comm, overlap: bool,
+    """placed: (dtype group, bucket) pairs in the collective order; path: their grad path
+    (grads/path.py), which the schedule asks to move each bucket from phase to phase."""
+
+    def __init__(self, placed: List[Tuple[object, GradBucket]], path, comm, overlap: bool,
                  after_backward: Optional[Callable[[], None]] = None):
-        self.buckets = buckets
+        self.buckets = [b for _, b in placed]
+        self._flats = [f for f, _ in placed]
+        self.path = path
         self.comm = comm
         self.overlap = overlap
         # e.g. sharing an fp16 overflow across ranks. A bound method is held weakly: the params'
@@ -44,19 +49,18 @@ class ReduceSchedule:
         self.owner = None  # a weak reference to the ZeroEngine driving this schedule
         self.state = BackwardState.IDLE
         self._next = 0  # buckets before this one were launched in the running backward
-        self._position = {id(b): k for k, b in enumerate(buckets)}
         # [Note: stage-2 memory]: stage-2 buckets draw their full buffers from one pool, and at most
         # IN_FLIGHT_BUCKETS of their reductions run at once in backward (the oldest is waited for).
         # A bucket of several params is at most about bucket_cap_mb: those share one buffer size.
         # [Note: what the pool keeps]: free buffers for a backward's reductions in flight, the two
         # buckets being filled and the one a tied embedding holds open (zerokern/plan counts those).
         unit = {}
-        for b in buckets:
+        for b in self.buckets:
             if b.draws_from_pool and len(b.plan.tensors) > 1:
                 unit[b.dtype] = max(unit.get(b.dtype, 0), b.plan.padded_numel)
         self.pool = GradBufferPool(keep=IN_FLIGHT_BUCKETS + 3, unit=unit)
-        self._in_flight = deque()
-        for b in buckets:
+        self._in_flight = deque()  # (dtype group, bucket) of the pooled reductions running
+        for b in self.buckets:
             if b.draws_from_pool:
                 b.pool = self.pool
 
@@ -78,22 +82,26 @@ class ReduceSchedule:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         if self.overlap:
             while self._next < len(self.buckets) and self.buckets[self._next].complete():
-                self._launch(self.buckets[self._next])
+                self._launch(self._next)
                 self._next += 1
 
-    def _launch(self, bucket: GradBucket) -> None:
-        bucket.launch()
+    def _pairs(self):
+        return zip(self._flats, self.buckets)
+
+    def _launch(self, k: int) -> None:
+        flat, bucket = self._flats[k], self.buckets[k]
+        self.path.launch(flat, bucket)
         if bucket.draws_from_pool:  # its buffer goes back when it is waited for
-            self._in_flight.append(bucket)
+            self._in_flight.append((flat, bucket))
             while len(self._in_flight) > IN_FLIGHT_BUCKETS:
-                self._in_flight.popleft().wait()  # its full buffer goes back to the pool
+                self.path.settle(*self._in_flight.popleft())  # its full buffer goes back to the pool
 
     def _end_of_backward(self) -> None:
         with torch.no_grad():
-            for b in self.buckets[self._next:]:
-                self._launch(b)
-            for b in self.buckets:
-                b.wait()
+            for k in range(self._next, len(self.buckets)):
+                self._launch(k)
+            for f, b in self._pairs():
+                self.path.settle(f, b)
             self._in_flight.clear()
             self._next = 0
             self.state = BackwardState.FINISHED
@@ -105,8 +113,8 @@ class ReduceSchedule:
         """[Note: interrupted backward] A RUNNING backward whose callback never came: wait out
         what it launched; nothing else changes. No-op otherwise."""
         if self.state is BackwardState.RUNNING and torch._C._current_graph_task_id() == -1:
-            for b in self.buckets:
-                b.abandon()
+            for f, b in self._pairs():
+                self.path.abandon(f, b)
             self._in_flight.clear()
             self._next = 0
             self.state = BackwardState.IDLE
@@ -120,23 +128,23 @@ class ReduceSchedule:
     def reduce(self, needs: List[bool]) -> None:
         """Launch the buckets that some rank needs reduced (the same list on every rank), then wait for all."""
         with torch.no_grad():
-            for b, need in zip(self.buckets, needs):
+            for (f, b), need in zip(self._pairs(), needs):
                 if need:
-                    b.launch()
-            for b in self.buckets:
-                b.wait()
+                    self.path.launch(f, b)
+            for f, b in self._pairs():
+                self.path.settle(f, b)
 
     def end_round(self, release: bool) -> None:
-        for b in self.buckets:
-            b.release() if release else b.end_round()
+        for f, b in self._pairs():
+            self.path.end_round(f, b, release)
         self._in_flight.clear()
         self._next = 0
         self.state = BackwardState.IDLE
 
     def zero(self, set_to_none: bool = True) -> None:
         self.reset()
-        for b in self.buckets:
-            b.zero(set_to_none)
+        for f, b in self._pairs():
+            self.path.zero(f, b, set_to_none)
         self._in_flight.clear()
         self._next = 0
         self.state = BackwardState.IDLE

@@ -496,11 +496,15 @@ def two_models(rank, world, steps=4, interleaved=False):
             ref_opt.zero_grad()
             _loss(ref, idx).backward()
             ref_opt.step()
-    diffs = []
+    diffs, units, orders = [], [], []
     for (model, opt), (ref, _) in zip(nets, refs):
         full = _full_params(model, opt)
         diffs.append(max(abs_diff(full[k], v) for k, v in ref.named_parameters()))
-    return diffs
+        # the runtime each optimizer owns holds its own model's units, in its own forward order
+        mine = {id(u) for u in opt.units}
+        units.append(sorted(("mine" if id(up.unit) in mine else "other's", up.name) for up in opt.stage3.units))
+        orders.append([r().name for r in opt.stage3.order])
+    return {"diffs": diffs, "units": units, "orders": orders, "shared": nets[0][1].stage3 is nets[1][1].stage3}
 
 
 def rebuilt_optimizer(rank, world, steps=2):

@@ -210,8 +210,13 @@ def test_a_rank_that_skips_a_shard_call_raises_on_every_rank():
 def test_two_models_on_one_group_train_as_their_own_adamw(interleaved):
     """Each model's units keep their own forward order and prefetch, though both shard over one
     process group (fp32: the reductions' order is the only difference from one process)."""
-    for diffs in dist_harness.values(dist_harness.run(W.two_models, 2, 4, interleaved, timeout=300)):
-        assert max(diffs) < 2e-5, diffs
+    for r in dist_harness.values(dist_harness.run(W.two_models, 2, 4, interleaved, timeout=300)):
+        assert max(r["diffs"]) < 2e-5, r["diffs"]
+        # one runtime per model ([Note: one runtime per model]): not one per process group
+        assert not r["shared"]
+        for layers, units, order in zip((2, 3), r["units"], r["orders"]):
+            assert units == sorted([("mine", "CkptGPT")] + [("mine", f"blocks.{k}") for k in range(layers)]), units
+            assert order == ["CkptGPT"] + [f"blocks.{k}" for k in range(layers)], order
 
 
 def test_an_optimizer_rebuilt_after_the_first_was_dropped_trains_as_adamw():

@@ -248,6 +248,7 @@ class ShardUnit:
         self.module = lambda: None  # zerokern.shard: a weak reference to the unit's module
         self.sync = True  # False: backward accumulates locally (no_sync / set_requires_gradient_sync(False))
         self.after_grad = None  # stage 3: called (unit) after each of its params' grads (params/per_unit.py)
+        self.gathers = None  # stage 3: the UnitParams that gather and free its params (params/per_unit.py)
         self.flat: List[FlatParams] = []
         trainable = [k for k, p in enumerate(params) if p.requires_grad]
         for dtype in sorted({params[k].dtype for k in trainable}, key=str):

@@ -105,9 +105,10 @@ class UnitParams:
     """One stage-3 unit's params: its buckets' BucketParams (params/gather.py), moved together, and
     the params' data bound to the full buffers while they are gathered, to empty tensors otherwise."""
 
-    def __init__(self, unit, comm, counter=None):
+    def __init__(self, unit, comm, runtime):
         self.unit, self.comm = unit, comm
-        self.counter = counter  # the runtime: gathered bytes now and at peak
+        self.runtime = runtime  # the Stage3Runtime of the unit's model; it counts the gathered bytes
+        self.foreign = set()  # id() of the modules outside the unit that hold one of its params (hooked)
         self.flats = list(unit.flat)  # a stage-3 unit: every dtype group keeps slices (params/policy.py)
         self.trainable = sum(len(f.members) for f in self.flats)
         self.buckets: List[BucketParams] = []  # shard() makes them
@@ -141,7 +142,7 @@ class UnitParams:
             self.comm.wait(w)
         for f in self.flats:
             f.shard_params()
-            self.buckets += [BucketParams(f, b, self.comm, frees=True, counter=self.counter)
+            self.buckets += [BucketParams(f, b, self.comm, frees=True, counter=self.runtime)
                              for b in range(len(f.param_bufs.buffers))]
         self.reshard()
 
@@ -195,21 +196,62 @@ class _Order(list):
         self.at = {id(u): k for k, u in enumerate(units)}
 
 
-# One runtime per process group: the stage-3 units sharded over it, in one forward order. Weak:
-# the units' module hooks keep a runtime alive as long as a model uses it.
-_RUNTIMES = weakref.WeakValueDictionary()
+def joined(units, comm) -> "Stage3Runtime":
+    """[Note: one runtime per model] The runtime of `units`: theirs, merged into one where they
+    have several, or a new one where none has one. zerokern.shard() gives a new unit the runtime of
+    the units inside its module (sharded before it: the blocks before the root), so one model's
+    units share one forward order and prefetch chain; the optimizer joins the runtimes of the units
+    it owns (blocks sharded without a root), and then owns that runtime (opt.stage3). Two models on
+    one process group keep two runtimes: neither's forward order is the other's. No registry keyed
+    by the group is needed: a runtime is found through its units (ShardUnit.gathers)."""
+    found = []
+    for u in units:
+        up = u.gathers
+        if up is not None and all(up.runtime is not r for r in found):
+            found.append(up.runtime)
+    if not found:
+        return Stage3Runtime(comm)
+    for other in found[1:]:
+        found[0].absorb(other)
+    return found[0]
 
 
-def runtime_for(comm) -> "Stage3Runtime":
-    key = id(comm.group)
-    rt = _RUNTIMES.get(key)
-    if rt is None or rt.group is not comm.group:
-        rt = _RUNTIMES[key] = Stage3Runtime(comm)
-    return rt
+def _after_grad(unit) -> None:
+    """ShardUnit.after_grad at stage 3: one of the unit's params has its grad."""
+    up = unit.gathers
+    if up is not None:
+        up.runtime.after_grad(up)
+
+
+def add_foreign_use(holder: torch.nn.Module, up: "UnitParams") -> None:
+    """`holder` (outside the unit's module) holds one of the unit's params, as a head tied to an
+    embedding of another unit: its forward gathers the unit (left gathered: the unit's own hooks
+    and grads free it), and so does the first gradient reaching its outputs."""
+    if id(holder) in up.foreign:
+        return
+    up.foreign.add(id(holder))
+    _hook_state_dicts(holder, up)
+
+    def pre(module, args):
+        if up.state is not ParamState.GATHERED:
+            up.unshard()
+
+    def post(module, args, output):
+        if _in_backward() or up.active > 0:
+            return  # inside the unit's own forward: its hooks do the rest
+        if torch.is_grad_enabled():
+            tensors = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                register_multi_grad_hook(tensors, lambda _grads: up.runtime.gather_for_backward(up), mode="any")
+        if up.active == 0 and (up.reshard_after_forward or not torch.is_grad_enabled()):
+            up.reshard()  # as after the unit's own forward
+    holder.register_forward_pre_hook(pre)
+    holder.register_forward_hook(post, always_call=True)
 
 
 class Stage3Runtime:
-    """The hooks that gather and free the stage-3 units of one process group, and their order."""
+    """The hooks that gather and free the stage-3 units of one model, and their order. The module
+    hooks reach it through each unit's UnitParams (up.runtime), so runtimes can merge (joined())."""
 
     def __init__(self, comm):
         self.comm, self.group = comm, comm.group
@@ -231,7 +273,6 @@ class Stage3Runtime:
         # create_graph ends ([Note: double backward]).
         self._keep_for_graph = False
         self.prefetch = True  # launch the next unit's gather with this one's (bench/overlap.py turns it off)
-        self._foreign = set()  # (id(module), id(unit)) of add_foreign_use
         self.gathered_bytes = 0  # bytes of full param buffers allocated now (BucketParams counts)
         self.peak_bytes = 0  # their peak since reset_peak(): the gathered working set
 
@@ -253,40 +294,30 @@ class Stage3Runtime:
         up.is_root = any(any(m is x.unit.module() for m in module.modules()) for x in self.units)
         self._units.append(weakref.ref(up))
         self._of[id(unit)] = up
-        module.register_forward_pre_hook(self._pre_forward_hook(up))
-        module.register_forward_hook(self._post_forward_hook(up), always_call=True)
-        unit.after_grad = self._after_grad
+        unit.gathers, unit.after_grad = up, _after_grad
+        module.register_forward_pre_hook(lambda m, args: up.runtime.pre_forward(up))
+        module.register_forward_hook(lambda m, args, output: up.runtime.post_forward(up, output), always_call=True)
         _hook_state_dicts(module, up)
         for owner in {id(m): m for m in [m for m, _ in unit.param_owners] if m is not module}.values():
-            self.add_foreign_use(owner, unit)  # called from outside the unit's forward (another unit's), it gathers
+            add_foreign_use(owner, up)  # called from outside the unit's forward (another unit's), it gathers
         return up
 
-    def add_foreign_use(self, holder: torch.nn.Module, unit) -> None:
-        """`holder` (outside `unit`'s module) holds one of the unit's params, as a head tied to an
-        embedding of another unit: its forward gathers the unit (left gathered: the unit's own
-        hooks and grads free it), and so does the first gradient reaching its outputs."""
-        key = (id(holder), id(unit))
-        if key in self._foreign:
+    def absorb(self, other: "Stage3Runtime") -> None:
+        """[Note: one runtime per model] other's units join this runtime; the next forward shows
+        the merged order."""
+        if other is self:
             return
-        self._foreign.add(key)
-        up = self._of[id(unit)]
-        _hook_state_dicts(holder, up)
-
-        def pre(module, args):
-            if up.state is not ParamState.GATHERED:
-                up.unshard()
-
-        def post(module, args, output):
-            if _in_backward() or up.active > 0:
-                return  # inside the unit's own forward: its hooks do the rest
-            if torch.is_grad_enabled():
-                tensors = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
-                if tensors:
-                    register_multi_grad_hook(tensors, lambda _grads: self._gather_for_backward(up), mode="any")
-            if up.active == 0 and (up.reshard_after_forward or not torch.is_grad_enabled()):
-                up.reshard()  # as after the unit's own forward
-        holder.register_forward_pre_hook(pre)
-        holder.register_forward_hook(post, always_call=True)
+        for up in other.units:
+            up.runtime = self
+            for bp in up.buckets:
+                bp.counter = self
+            self._units.append(weakref.ref(up))
+            self._of[id(up.unit)] = up
+        self.gathered_bytes += other.gathered_bytes
+        self.peak_bytes = max(self.peak_bytes, self.gathered_bytes)
+        self.prefetch = self.prefetch and other.prefetch
+        self.order, self.backward_order = _Order([]), _Order([])
+        self._iteration_ends()
 
     def _note_create_graph(self) -> None:
         """Called from autograd's hooks, where grad mode is the backward's create_graph (not from a
@@ -294,7 +325,7 @@ class Stage3Runtime:
         if torch.is_grad_enabled():
             self._keep_for_graph = True
 
-    def _gather_for_backward(self, up) -> None:
+    def gather_for_backward(self, up) -> None:
         self._note_create_graph()
         self._queue_end_of_backward()
         up.unshard()
@@ -334,62 +365,58 @@ class Stage3Runtime:
 
     # --- forward ---------------------------------------------------------------
 
-    def _pre_forward_hook(self, up):
-        def hook(module, args):
-            if _in_backward():  # activation checkpointing recomputes the unit inside backward
-                self._queue_end_of_backward()
-                up.unshard()
-                return
-            if self._new_forward:  # the first unit forward since the last backward or step()
-                self._new_forward = False
-                self._pre, self._post, self._seen, self._post_seen, self._depth = [], [], set(), set(), 0
-                self._end_queued = False  # a backward that raised never ran its callback
-                for x in self.units:
-                    x.active = 0  # a forward that raised never ran its post-hooks
-                    x.got = 0  # a backward that raised left its count
-            self._depth += 1
-            up.active += 1
-            if id(up) not in self._seen:
-                self._seen.add(id(up))
-                self._pre.append(up)
+    def pre_forward(self, up) -> None:
+        if _in_backward():  # activation checkpointing recomputes the unit inside backward
+            self._queue_end_of_backward()
             up.unshard()
-            nxt = self._next(self.order, up) if self.prefetch else None
-            if nxt is not None:
-                nxt.launch()
-        return hook
+            return
+        if self._new_forward:  # the first unit forward since the last backward or step()
+            self._new_forward = False
+            self._pre, self._post, self._seen, self._post_seen, self._depth = [], [], set(), set(), 0
+            self._end_queued = False  # a backward that raised never ran its callback
+            for x in self.units:
+                x.active = 0  # a forward that raised never ran its post-hooks
+                x.got = 0  # a backward that raised left its count
+        self._depth += 1
+        up.active += 1
+        if id(up) not in self._seen:
+            self._seen.add(id(up))
+            self._pre.append(up)
+        up.unshard()
+        nxt = self._next(self.order, up) if self.prefetch else None
+        if nxt is not None:
+            nxt.launch()
 
-    def _post_forward_hook(self, up):
-        def hook(module, args, output):
-            if _in_backward():
-                return  # gathered for its backward, which follows
-            self._depth -= 1
-            up.active -= 1
-            if id(up) not in self._post_seen:
-                self._post_seen.add(id(up))
-                self._post.append(up)
-            grad = torch.is_grad_enabled()
-            tensors = []
-            if grad:
-                tensors = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
-                if tensors:
-                    register_multi_grad_hook(tensors, lambda _grads: self._pre_backward(up), mode="any")
-            outermost = self._depth == 0
-            if outermost:  # the orders this iteration has shown so far, for the next one's prefetches
-                self.order, self.backward_order = _Order(self._pre), _Order(self._post[::-1])
-            # A root (a unit with units inside) that ends the forward stays gathered: its backward
-            # comes first, as FSDP2 keeps its root. Without backward (no_grad) everything goes.
-            # So does a unit whose backward no output announces (gradients reach it another way).
-            keep = grad and ((outermost and up.is_root) or not tensors)
-            if not keep and (up.reshard_after_forward or not grad):
-                up.reshard()
-            if outermost and up.is_root:
-                for x in self.units:  # a prefetch no unit used; everything when no backward follows
-                    if not grad or id(x) not in self._seen:
-                        x.reshard()
-                nxt = self._next(self.backward_order, up) if grad and self.prefetch else None
-                if nxt is not None:
-                    nxt.launch()  # the first unit backward reaches after the root: behind the loss
-        return hook
+    def post_forward(self, up, output) -> None:
+        if _in_backward():
+            return  # gathered for its backward, which follows
+        self._depth -= 1
+        up.active -= 1
+        if id(up) not in self._post_seen:
+            self._post_seen.add(id(up))
+            self._post.append(up)
+        grad = torch.is_grad_enabled()
+        tensors = []
+        if grad:
+            tensors = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                register_multi_grad_hook(tensors, lambda _grads: up.runtime.pre_backward(up), mode="any")
+        outermost = self._depth == 0
+        if outermost:  # the orders this iteration has shown so far, for the next one's prefetches
+            self.order, self.backward_order = _Order(self._pre), _Order(self._post[::-1])
+        # A root (a unit with units inside) that ends the forward stays gathered: its backward
+        # comes first, as FSDP2 keeps its root. Without backward (no_grad) everything goes.
+        # So does a unit whose backward no output announces (gradients reach it another way).
+        keep = grad and ((outermost and up.is_root) or not tensors)
+        if not keep and (up.reshard_after_forward or not grad):
+            up.reshard()
+        if outermost and up.is_root:
+            for x in self.units:  # a prefetch no unit used; everything when no backward follows
+                if not grad or id(x) not in self._seen:
+                    x.reshard()
+            nxt = self._next(self.backward_order, up) if grad and self.prefetch else None
+            if nxt is not None:
+                nxt.launch()  # the first unit backward reaches after the root: behind the loss
 
     # --- backward --------------------------------------------------------------
 
@@ -399,7 +426,7 @@ class Stage3Runtime:
             self._end_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
-    def _pre_backward(self, up) -> None:
+    def pre_backward(self, up) -> None:
         self._note_create_graph()
         self._queue_end_of_backward()
         up.unshard()
@@ -407,9 +434,8 @@ class Stage3Runtime:
         if nxt is not None:
             nxt.launch()
 
-    def _after_grad(self, unit) -> None:
-        up = self._of.get(id(unit))
-        if up is None or up.state is ParamState.SHARDED:
+    def after_grad(self, up) -> None:
+        if up.state is ParamState.SHARDED:
             return
         up.got += 1
         if up.got >= up.trainable and not self._keep_for_graph:

@@ -17,7 +17,7 @@ from ..core.stage import ParamMode, Strategy
 from .gather import GatherAfterStep
 from .generate import sync_generate
 from .materialize import in_scope
-from .per_unit import runtime_for
+from .per_unit import add_foreign_use, joined
 
 
 def param_policy(strategy: Strategy):
@@ -103,7 +103,7 @@ class UnitShards(WholeParams):
                              + "\n  ".join(lines))
 
     def after_unit(self, comm, module, unit, is_unit, unit_of) -> None:
-        """The unit's params go to the group's stage-3 runtime, which keeps this rank's slices
+        """The unit's params go to its model's stage-3 runtime, which keeps this rank's slices
         from now on ([Note: stage-3 params]). Frozen params and buffers stay whole on every rank;
         they take rank 0's values too (a meta init may have drawn them from each rank's own
         generator)."""
@@ -111,7 +111,8 @@ class UnitShards(WholeParams):
                  for t in list(m._parameters.values()) + list(m._buffers.values())
                  if t is not None and not (isinstance(t, torch.nn.Parameter) and t.requires_grad)}
         comm.broadcast_from_first(list(whole.values()))
-        runtime = runtime_for(comm)
+        inner = {id(u): u for u in map(unit_of, module.parameters()) if u is not None and u is not unit}
+        runtime = joined(inner.values(), comm)  # [Note: one runtime per model] (params/per_unit.py)
         runtime.add(unit)
         if comm.distributed:
             sync_generate(module)  # each forward gathers: every rank must run as many
@@ -120,7 +121,7 @@ class UnitShards(WholeParams):
             other = unit_of(p)
             holder = module.get_submodule(n.rpartition(".")[0])
             if other is not None and other is not unit and not _inside(holder, other):
-                runtime.add_foreign_use(holder, other)
+                add_foreign_use(holder, other.gathers)
 
     def check_replaceable(self, flat, i: int, how: str) -> None:
         name = flat.members[i].name
@@ -159,7 +160,7 @@ class UnitShards(WholeParams):
     def start(self, comm, order):
         """[Note: stage-3 params] shard() sharded the params; the runtime gathers them in forward
         and backward, in the units' forward order."""
-        self.runtime = runtime_for(comm)
+        self.runtime = joined(order, comm)  # the optimizer's units' runtime ([Note: one runtime per model])
         self.runtime.expect_order(order)
         return self.runtime
 

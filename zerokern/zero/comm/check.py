@@ -7,10 +7,11 @@ did not run: LayerDrop, MoE experts; an exception one rank caught and went on fr
 full_state_dict or generate on rank 0 only) pairs everything after it with the wrong partner:
 gloo aborts the process ("Received data size doesn't match expected size", SIGABRT, no Python
 exception), NCCL hangs, and two buffers of the same size silently add up unrelated grads. So
-before each collective every rank all-reduces (MAX) one small ticket, [v, -v] for v = (its
+before each collective every rank all-reduces (MAX) a small ticket, [v, -v] for v = (its
 sequence number, a checksum of the collective's name, shape and dtype), over a gloo group of
 its own: every rank's v is equal exactly when max(v) == -max(-v). Only then is the real
-collective launched, so a data collective always meets its partner. On a mismatch every rank
+collective launched, so a data collective always meets its partner. One ticket carries a slot
+for every collective queued by then ([Note: announcing in rounds]). On a mismatch every rank
 gathers what each was at and raises the same error. As torch's TORCH_DISTRIBUTED_DEBUG=DETAIL
 (ProcessGroupWrapper) checks collectives, but with one all-reduce of 16 bytes and the unit or
 bucket named, on by default.
@@ -272,10 +273,9 @@ class CollectiveCheck:
         first differs."""
         self.rounds += 1
         seq, what = items[0]
-        ticket = torch.zeros(2 * WINDOW, dtype=torch.int64)
-        for j, (s, w) in enumerate(items):
-            v = ((s % (1 << 30) + 1) << 32) | zlib.crc32(w.encode())  # > 0: 0 is an empty slot
-            ticket[j], ticket[WINDOW + j] = v, -v
+        mine = [((s % (1 << 30) + 1) << 32) | zlib.crc32(w.encode()) for s, w in items]  # > 0: 0 is an empty slot
+        mine += [0] * (WINDOW - len(mine))
+        ticket = torch.tensor(mine + [-v for v in mine], dtype=torch.int64)
         self._call(lambda: dist.all_reduce(ticket, op=dist.ReduceOp.MAX, group=self.control), seq, what)
         top, bottom = ticket[:WINDOW].tolist(), [-x for x in ticket[WINDOW:].tolist()]
         agreed = 0

@@ -46,6 +46,16 @@ from .gather import BucketParams
 from ..core.states import ParamState
 
 
+# [Note: hooks under torch.compile] The hooks that gather and free units are opaque to dynamo
+# (torch.compiler.disable, as FSDP2 skips its hooks by default): traced, the collectives' names
+# ("all_gather[blocks.2:float32:0]"), bucket indices and unit states became guards of the frames
+# dynamo compiled inside the hooks, one per unit, so a compiled model recompiled for every unit
+# until dynamo's recompile limit and then ran those frames eagerly (issue 39). Opaque, each hook is
+# one graph break at the module call, the same for every unit; the module's own forward is still
+# compiled, once for every unit of one shape (tests/test_stage3_patterns.py counts the frames).
+_opaque = torch.compiler.disable
+
+
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -253,8 +263,8 @@ class Stage3Runtime:
         up.is_root = any(any(m is x.unit.module() for m in module.modules()) for x in self.units)
         self._units.append(weakref.ref(up))
         self._of[id(unit)] = up
-        module.register_forward_pre_hook(self._pre_forward_hook(up))
-        module.register_forward_hook(self._post_forward_hook(up), always_call=True)
+        module.register_forward_pre_hook(_opaque(self._pre_forward_hook(up)))
+        module.register_forward_hook(_opaque(self._post_forward_hook(up)), always_call=True)
         unit.after_grad = self._after_grad
         _hook_state_dicts(module, up)
         for owner in {id(m): m for m in [m for m, _ in unit.param_owners] if m is not module}.values():
@@ -282,11 +292,12 @@ class Stage3Runtime:
             if torch.is_grad_enabled():
                 tensors = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
                 if tensors:
-                    register_multi_grad_hook(tensors, lambda _grads: self._gather_for_backward(up), mode="any")
+                    register_multi_grad_hook(tensors, _opaque(lambda _grads: self._gather_for_backward(up)),
+                                             mode="any")
             if up.active == 0 and (up.reshard_after_forward or not torch.is_grad_enabled()):
                 up.reshard()  # as after the unit's own forward
-        holder.register_forward_pre_hook(pre)
-        holder.register_forward_hook(post, always_call=True)
+        holder.register_forward_pre_hook(_opaque(pre))
+        holder.register_forward_hook(_opaque(post), always_call=True)
 
     def _note_create_graph(self) -> None:
         """Called from autograd's hooks, where grad mode is the backward's create_graph (not from a
@@ -372,7 +383,7 @@ class Stage3Runtime:
             if grad:
                 tensors = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
                 if tensors:
-                    register_multi_grad_hook(tensors, lambda _grads: self._pre_backward(up), mode="any")
+                    register_multi_grad_hook(tensors, _opaque(lambda _grads: self._pre_backward(up)), mode="any")
             outermost = self._depth == 0
             if outermost:  # the orders this iteration has shown so far, for the next one's prefetches
                 self.order, self.backward_order = _Order(self._pre), _Order(self._post[::-1])
@@ -397,7 +408,7 @@ class Stage3Runtime:
         self._iteration_ends()
         if not self._end_queued:
             self._end_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            torch.autograd.Variable._execution_engine.queue_callback(_opaque(self._end_of_backward))
 
     def _pre_backward(self, up) -> None:
         self._note_create_graph()

@@ -167,3 +167,69 @@ def subgroup_then_world_group(rank, world):
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t, group=everyone)
     return t.item()
+
+
+def _held_queue(rank, names, pace=0.0):
+    """Queue one all-reduce per name through zerokern's Comm while the check's thread is held in
+    the launch of a first collective (so they are all queued when it comes back), then let it go
+    and wait for them. Returns each result (rank 0's + rank 1's: 1 + 2 * k for the k-th), the
+    announcement all-reduces counted on the control group, and the error if one was raised."""
+    import threading
+
+    import torch.distributed as dist
+
+    from zerokern.zero.comm.factory import make_comm
+    comm = make_comm()
+    control = comm.check.control
+    counted = [0]
+    all_reduce = dist.all_reduce
+
+    def counting(tensor, *a, group=None, **kw):
+        counted[0] += group is control
+        return all_reduce(tensor, *a, group=group, **kw)
+    dist.all_reduce = counting
+    try:
+        go = threading.Event()
+        first = torch.ones(1)
+
+        def held(group):
+            go.wait()
+            return dist.all_reduce(first, group=group, async_op=True)
+        works = [comm._launch("held", first, held)]
+        tensors = [torch.full((1 + k % 3,), float(rank + 1 + k * (rank + 1))) for k in range(len(names))]
+        for t, name in zip(tensors, names):
+            if pace:
+                time.sleep(pace)
+            works.append(comm.all_reduce(t, name=name))
+        go.set()
+        out = {"error": None}
+        try:
+            for w in works:
+                w.wait()
+        except CollectiveMismatch as e:
+            out.update(error=str(e), kind="mismatch")
+        out["values"] = [t[0].item() for t in tensors]
+        out["rounds"] = counted[0]
+        return out
+    finally:
+        dist.all_reduce = all_reduce
+
+
+def queued_collectives(rank, world):
+    """Sixteen collectives queued while the check's thread was busy: announced together."""
+    return _held_queue(rank, [f"all_reduce[{k}]" for k in range(16)])
+
+
+def queued_at_different_paces(rank, world):
+    """Rank 1 queues its collectives slowly, rank 0 all at once: the rounds launch what every rank
+    announced and keep the rest for later; nothing raises, every result is right."""
+    return _held_queue(rank, [f"all_reduce[{k}]" for k in range(8)], pace=0.05 if rank == 1 else 0.0)
+
+
+def mismatch_inside_a_round(rank, world):
+    """The ranks' fourth queued collective differs (rank 1 went another way): it and every later
+    one raise on both ranks; the three before it completed."""
+    names = [f"all_reduce[{k}]" for k in range(6)]
+    if rank == 1:
+        names[3] = "all_reduce[elsewhere]"
+    return _held_queue(rank, names)

@@ -217,3 +217,56 @@ def compiled_matches_eager(rank, world):
             opt.zero_grad()
             losses[compiled].append(loss.item())
     return losses
+
+
+def _blocks(n):
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(n)], nn.Linear(8, 1))
+
+
+def compiled_frames(rank, world, n):
+    """Frames dynamo compiles for 3 training steps of a compiled n-block model at stage 3
+    ([Note: hooks under torch.compile]), and its losses against the same model run eagerly."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounter
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    losses = {}
+    for compiled in (False, True):
+        model = _shard3(_blocks(n))
+        opt = FusedZeroAdam(model.parameters(), lr=1e-2)
+        run = torch.compile(model, backend=counter) if compiled else model
+        gen = torch.Generator().manual_seed(1 + rank)
+        losses[compiled] = []
+        for _ in range(3):
+            loss = run(torch.randn(4, 8, generator=gen)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[compiled].append(loss.item())
+    return {"frames": counter.frame_count, "losses": losses}
+
+
+def compiled_training_step(rank, world):
+    """forward, backward() and opt.step() in one compiled function at stage 3, against the same
+    steps run eagerly: the weights after 4 steps (every rank's, gathered) and the losses."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    out = {}
+    for compiled in (False, True):
+        model = _shard3(_blocks(4))
+        opt = FusedZeroAdam(model.parameters(), lr=1e-2, weight_decay=0.01)
+
+        def step(x):
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+        run = torch.compile(step, backend="eager") if compiled else step
+        gen = torch.Generator().manual_seed(1 + rank)
+        losses = [run(torch.randn(4, 8, generator=gen)).item() for _ in range(4)]
+        out[compiled] = (losses, zerokern.full_state_dict(model, rank0_only=False))
+    (eager_losses, eager_sd), (losses, sd) = out[False], out[True]
+    return {"losses": losses, "eager_losses": eager_losses,
+            "max_diff": max((sd[k] - eager_sd[k]).abs().max().item() for k in eager_sd), "keys": len(sd)}

@@ -64,3 +64,25 @@ def test_a_subgroup_trained_on_then_a_world_group_does_not_hang():
     """zerokern never makes a group that ranks outside it would have to join (or that moves their
     group names apart): a world group made after it works on every rank."""
     assert dist_harness.values(dist_harness.run(W.subgroup_then_world_group, 4, timeout=120)) == [10.0] * 4
+
+
+def test_queued_collectives_are_announced_together():
+    """[Note: announcing in rounds]: 16 collectives queued while the check's thread was busy take
+    one announcement round trip between them, not one each (it was 17 for the 17)."""
+    for out in dist_harness.values(dist_harness.run(W.queued_collectives, 2, timeout=120)):
+        assert out["error"] is None, out["error"]
+        assert out["values"] == [3.0 + 3 * k for k in range(16)], out["values"]
+        assert out["rounds"] <= 3, out["rounds"]
+
+
+def test_ranks_queueing_at_different_paces_agree():
+    for out in dist_harness.values(dist_harness.run(W.queued_at_different_paces, 2, timeout=120)):
+        assert out["error"] is None, out["error"]
+        assert out["values"] == [3.0 + 3 * k for k in range(8)], out["values"]
+
+
+def test_a_mismatch_inside_a_round_raises_on_every_rank():
+    outs = _both_raise_a_mismatch(dist_harness.run(W.mismatch_inside_a_round, 2, timeout=120),
+                                  "all_reduce[3]", "all_reduce[elsewhere]")
+    for out in outs:
+        assert out["values"][:3] == [3.0, 6.0, 9.0], out["values"]  # agreed before the mismatch: launched

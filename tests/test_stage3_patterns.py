@@ -54,3 +54,26 @@ def test_params_read_outside_a_forward_name_zerokern_the_param_and_the_fix():
 def test_torch_compile_at_stage3_gives_eager_losses():
     for r in dist_harness.values(dist_harness.run(W.compiled_matches_eager, 2, timeout=300)):
         assert r[True] == r[False], r
+
+
+def test_a_compiled_model_at_stage3_compiles_a_bounded_number_of_frames():
+    """[Note: hooks under torch.compile]: the hooks were traced, and the collectives' names
+    (all_gather[blocks.2:float32:0]) became guards, so each unit recompiled (10 frames for 4
+    blocks, dynamo's recompile limit hit). Now the count does not grow with the blocks."""
+    frames = {}
+    for n in (4, 8):
+        for r in dist_harness.values(dist_harness.run(W.compiled_frames, 2, n, timeout=300)):
+            assert r["losses"][True] == r["losses"][False], r
+            frames.setdefault(n, set()).add(r["frames"])
+    assert frames[4] == frames[8] and max(frames[4]) <= 4, frames
+
+
+def test_a_compiled_training_step_at_stage3_trains_as_eager():
+    """forward, backward() and step() under one torch.compile: dynamo traced the grad hooks and
+    the end-of-backward callback, faked a param emptied to [0] with its full-size grad and died
+    ("attempting to assign a gradient of size [s49] to a tensor of size [0]"). Now they run
+    eagerly (graph breaks, as step() already was one) and it trains as the eager steps do."""
+    for r in dist_harness.values(dist_harness.run(W.compiled_training_step, 2, timeout=300)):
+        assert r["keys"] == 10, r
+        assert r["max_diff"] < 1e-6, r  # the same ops in the same order: eager backend, same kernels
+        assert r["losses"] == pytest.approx(r["eager_losses"], abs=1e-6), r

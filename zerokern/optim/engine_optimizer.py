@@ -60,6 +60,7 @@ class EngineOptimizer(torch.optim.Optimizer):
         divisor (None or a 1-element tensor) is the loss scale times the clip factor."""
         raise NotImplementedError
 
+    @torch.compiler.disable  # [Note: compile]: it swaps .grad placeholders, whose faking fails at stage 3
     def zero_grad(self, set_to_none: bool = True):
         """As torch.optim: every .grad None (a param no backward reaches then is not stepped), or
         with set_to_none=False a zero grad that the next step() uses ([Note: grads after step])."""
@@ -69,6 +70,7 @@ class EngineOptimizer(torch.optim.Optimizer):
         """Backward passes inside accumulate locally, with no communication."""
         return self.engine.no_sync()
 
+    @torch.compiler.disable  # [Note: compile]: a collective over the sharded grads
     def clip_grad_norm_(self, max_norm, norm_type=2.0):
         """torch.nn.utils.clip_grad_norm_ for the sharded grads (a collective; see ZeroEngine.clip_grad_norm_)."""
         return self.engine.clip_grad_norm_(max_norm, norm_type)

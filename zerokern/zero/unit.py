@@ -444,7 +444,7 @@ def _pre_hook(unit_ref, k: int, i: int):
         if bucket.state is BucketState.IN_FLIGHT:
             f.grads.settle(f, bucket)
         f.grads.before_accumulate(f, i)
-    return pre_hook
+    return torch.compiler.disable(pre_hook)  # [Note: hooks under torch.compile] (params/per_unit.py)
 
 
 def _hook(unit_ref, k: int, i: int):
@@ -460,4 +460,4 @@ def _hook(unit_ref, k: int, i: int):
             unit.schedule.on_grad(bucket)
         if unit.after_grad is not None:
             unit.after_grad(unit)
-    return hook
+    return torch.compiler.disable(hook)  # [Note: hooks under torch.compile] (params/per_unit.py)

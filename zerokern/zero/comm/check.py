@@ -7,10 +7,11 @@ did not run: LayerDrop, MoE experts; an exception one rank caught and went on fr
 full_state_dict or generate on rank 0 only) pairs everything after it with the wrong partner:
 gloo aborts the process ("Received data size doesn't match expected size", SIGABRT, no Python
 exception), NCCL hangs, and two buffers of the same size silently add up unrelated grads. So
-before each collective every rank all-reduces (MAX) one small ticket, [v, -v] for v = (its
+before each collective every rank all-reduces (MAX) a small ticket, [v, -v] for v = (its
 sequence number, a checksum of the collective's name, shape and dtype), over a gloo group of
 its own: every rank's v is equal exactly when max(v) == -max(-v). Only then is the real
-collective launched, so a data collective always meets its partner. On a mismatch every rank
+collective launched, so a data collective always meets its partner. One ticket carries a slot
+for every collective queued by then ([Note: announcing in rounds]). On a mismatch every rank
 gathers what each was at and raises the same error. As torch's TORCH_DISTRIBUTED_DEBUG=DETAIL
 (ProcessGroupWrapper) checks collectives, but with one all-reduce of 16 bytes and the unit or
 bucket named, on by default.
@@ -34,6 +35,7 @@ ZEROKERN_CHECK_COLLECTIVES=0 turns all of this off (zerokern's collectives are l
 calling thread, on the user's group; a mismatch is then a hang or an abort again).
 """
 
+import collections
 import itertools
 import os
 import queue
@@ -120,6 +122,23 @@ def _rank_lost(rank, when, error) -> RankLost:
         "all ranks from your last checkpoint (torchrun --max-restarts does, and DCP loads at any world size).")
 
 
+# [Note: announcing in rounds] One announcement per collective cost a round trip on the control
+# group each (0.3-1 ms on 2 loaded CPU ranks, and a ring all-reduce's 2(N-1) hops on N ranks), so
+# the check's thread announces in rounds: each round takes every collective queued by then (up to
+# WINDOW) and all-reduces (MAX) one ticket with a slot per collective, [v_1..v_W, -v_1..-v_W] for
+# v_j = (sequence number + 1, checksum of name, shape, dtype) of this rank's j-th, 0 for a slot
+# it has nothing for. Every rank gets the same reduced ticket and so decides alike: the leading
+# slots where max(v) == -max(-v) > 0 (every rank announced the same) are launched, in order; the
+# rest wait for the next round (a rank that has not queued them yet, or differs there: the next
+# round's first slot tells). A rank takes part in a round only with something queued, and every
+# rank launched the same collectives before, so the first slot is filled on every rank with the
+# same sequence number: if it differs, the ranks are at different collectives, and every rank
+# raises. A collective is still launched only after every rank announced it; what changes is
+# that a unit's gathers, or the reduce-scatters a backward queued while the thread was waiting,
+# share one round trip, and the thread is never more than a round behind the caller.
+WINDOW = 32
+
+
 class _Queued:
     """A collective the check's thread launches once every rank announced it; Work-like."""
 
@@ -170,6 +189,7 @@ class CollectiveCheck:
                                       use_local_synchronization=local)
             self.data = _new_group(ranks, backend=dist.get_backend(group), use_local_synchronization=local)
         self.seq = 0
+        self.rounds = 0  # announcement rounds so far (tests and bench/collective_check.py read it)
         self._queue = queue.SimpleQueue()
         self._error = None  # the first failure: every later collective fails with it
         self._thread = None
@@ -197,19 +217,41 @@ class CollectiveCheck:
         return queued
 
     def _run(self) -> None:
+        pending = collections.deque()  # queued, not yet launched, in order
         while True:
-            seq, what, name, launch, device, mark, queued = self._queue.get()
+            if not pending:
+                pending.append(self._queue.get())
+            while len(pending) < WINDOW:  # [Note: announcing in rounds]: whatever else is queued goes along
+                try:
+                    pending.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
             if self._error is not None:
-                queued._failed(self._error)
+                while pending:
+                    pending.popleft()[-1]._failed(self._error)
                 continue
             try:
-                self._announce(seq, what)
-                with self._stream(device, mark), record_function(f"zerokern::{name}"):
-                    queued._launched(launch())
-            except BaseException as e:  # noqa: BLE001  handed to the waiter, and to every later collective
-                self._error = e if isinstance(e, CollectiveMismatch) else CollectiveMismatch(
-                    f"zerokern (rank {self.rank}): launching #{seq} {what} failed: {type(e).__name__}: {e}")
-                queued._failed(self._error)
+                agreed = self._announce([item[:2] for item in itertools.islice(pending, WINDOW)])
+            except BaseException as e:  # noqa: BLE001  handed to the waiters, and to every later collective
+                self._fail(e, *pending[0][:2])
+                continue
+            for _ in range(agreed):
+                seq, what, name, launch, device, mark, queued = pending.popleft()
+                try:
+                    with self._stream(device, mark), record_function(f"zerokern::{name}"):
+                        queued._launched(launch())
+                except BaseException as e:  # noqa: BLE001
+                    self._fail(e, seq, what)
+                    queued._failed(self._error)
+                    break
+            if self._error is not None:
+                while pending:
+                    pending.popleft()[-1]._failed(self._error)
+
+    def _fail(self, e, seq, what) -> None:
+        """The first failure: the waiter of #seq gets it, and so does every later collective."""
+        self._error = e if isinstance(e, CollectiveMismatch) else CollectiveMismatch(
+            f"zerokern (rank {self.rank}): launching #{seq} {what} failed: {type(e).__name__}: {e}")
 
     def _stream(self, device, mark):
         """The caller's CUDA device, and a side stream that waits for the caller's stream as it
@@ -224,14 +266,25 @@ class CollectiveCheck:
         side.wait_event(mark)
         return torch.cuda.stream(side)
 
-    def _announce(self, seq: int, what: str) -> None:
-        """Wait until every rank announced this collective; raise alike on every rank if one
-        announced another."""
-        v = ((seq % (1 << 30)) << 32) | zlib.crc32(what.encode())
-        ticket = torch.tensor([v, -v], dtype=torch.int64)
+    def _announce(self, items) -> int:
+        """One round ([Note: announcing in rounds]): `items`, this rank's next (seq, what) in
+        order (at least one, at most WINDOW), against every rank's. Returns how many of them every
+        rank announced alike (the collectives to launch now); raises alike on every rank if the
+        first differs."""
+        self.rounds += 1
+        seq, what = items[0]
+        mine = [((s % (1 << 30) + 1) << 32) | zlib.crc32(w.encode()) for s, w in items]  # > 0: 0 is an empty slot
+        mine += [0] * (WINDOW - len(mine))
+        ticket = torch.tensor(mine + [-v for v in mine], dtype=torch.int64)
         self._call(lambda: dist.all_reduce(ticket, op=dist.ReduceOp.MAX, group=self.control), seq, what)
-        if int(ticket[0]) == -int(ticket[1]):
-            return
+        top, bottom = ticket[:WINDOW].tolist(), [-x for x in ticket[WINDOW:].tolist()]
+        agreed = 0
+        while agreed < WINDOW and bottom[agreed] > 0 and top[agreed] == bottom[agreed]:
+            agreed += 1
+        if agreed:
+            return agreed
+        # Every rank announced at least one, for the same sequence number (every rank launched the
+        # same ones before): the first slot differs, so the ranks are at different collectives.
         everyone = [None] * self.world_size
         self._call(lambda: dist.all_gather_object(everyone, (seq, what), group=self.control), seq, what)
         raise CollectiveMismatch(

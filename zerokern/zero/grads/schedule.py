@@ -79,7 +79,8 @@ class ReduceSchedule:
         if self.state is not BackwardState.RUNNING:
             self.state = BackwardState.RUNNING
             self._next = 0
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            # [Note: hooks under torch.compile] (params/per_unit.py): run eagerly, never traced
+            torch.autograd.Variable._execution_engine.queue_callback(torch.compiler.disable(self._end_of_backward))
         if self.overlap:
             while self._next < len(self.buckets) and self.buckets[self._next].complete():
                 self._launch(self._next)

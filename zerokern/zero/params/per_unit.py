@@ -46,6 +46,16 @@ from .gather import BucketParams
 from ..core.states import ParamState
 
 
+# [Note: hooks under torch.compile] The hooks that gather and free units are opaque to dynamo
+# (torch.compiler.disable, as FSDP2 skips its hooks by default): traced, the collectives' names
+# ("all_gather[blocks.2:float32:0]"), bucket indices and unit states became guards of the frames
+# dynamo compiled inside the hooks, one per unit, so a compiled model recompiled for every unit
+# until dynamo's recompile limit and then ran those frames eagerly (issue 39). Opaque, each hook is
+# one graph break at the module call, the same for every unit; the module's own forward is still
+# compiled, once for every unit of one shape (tests/test_stage3_patterns.py counts the frames).
+_opaque = torch.compiler.disable
+
+
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -242,11 +252,12 @@ def add_foreign_use(holder: torch.nn.Module, up: "UnitParams") -> None:
         if torch.is_grad_enabled():
             tensors = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
-                register_multi_grad_hook(tensors, lambda _grads: up.runtime.gather_for_backward(up), mode="any")
+                register_multi_grad_hook(tensors, _opaque(lambda _grads: up.runtime.gather_for_backward(up)),
+                                         mode="any")
         if up.active == 0 and (up.reshard_after_forward or not torch.is_grad_enabled()):
             up.reshard()  # as after the unit's own forward
-    holder.register_forward_pre_hook(pre)
-    holder.register_forward_hook(post, always_call=True)
+    holder.register_forward_pre_hook(_opaque(pre))
+    holder.register_forward_hook(_opaque(post), always_call=True)
 
 
 class Stage3Runtime:
@@ -295,8 +306,9 @@ class Stage3Runtime:
         self._units.append(weakref.ref(up))
         self._of[id(unit)] = up
         unit.gathers, unit.after_grad = up, _after_grad
-        module.register_forward_pre_hook(lambda m, args: up.runtime.pre_forward(up))
-        module.register_forward_hook(lambda m, args, output: up.runtime.post_forward(up, output), always_call=True)
+        module.register_forward_pre_hook(_opaque(lambda m, args: up.runtime.pre_forward(up)))
+        module.register_forward_hook(_opaque(lambda m, args, output: up.runtime.post_forward(up, output)),
+                                     always_call=True)
         _hook_state_dicts(module, up)
         for owner in {id(m): m for m in [m for m, _ in unit.param_owners] if m is not module}.values():
             add_foreign_use(owner, up)  # called from outside the unit's forward (another unit's), it gathers
@@ -400,7 +412,7 @@ class Stage3Runtime:
         if grad:
             tensors = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
-                register_multi_grad_hook(tensors, lambda _grads: up.runtime.pre_backward(up), mode="any")
+                register_multi_grad_hook(tensors, _opaque(lambda _grads: up.runtime.pre_backward(up)), mode="any")
         outermost = self._depth == 0
         if outermost:  # the orders this iteration has shown so far, for the next one's prefetches
             self.order, self.backward_order = _Order(self._pre), _Order(self._post[::-1])
@@ -424,7 +436,7 @@ class Stage3Runtime:
         self._iteration_ends()
         if not self._end_queued:
             self._end_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            torch.autograd.Variable._execution_engine.queue_callback(_opaque(self._end_of_backward))
 
     def pre_backward(self, up) -> None:
         self._note_create_graph()

@@ -104,3 +104,32 @@ def test_checkpoint_before_the_first_step(tmp_path, stage):
     for rank, r in enumerate(dist_harness.values(
             dist_harness.run(W.checkpoint_resume, 2, "sgd_dampening", stage, "dcp", path, 0, timeout=180))):
         assert r["same"], (rank, r["diff"])
+
+
+class _FloatStateSGD(torch.optim.SGD):
+    """SGD that also keeps a Python float in a param's state from its first step (as a custom
+    optimizer might): elementwise, so ZeroOptimizer trains it."""
+
+    def step(self, closure=None):
+        out = super().step(closure)
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    self.state[p]["seen"] = self.state[p].get("seen", 0.0) + 1.0
+        return out
+
+
+def test_state_dict_before_first_step_refuses_state_without_a_placeholder():
+    """A Python value made at the first step cannot be given a placeholder for dcp.load to fill:
+    state_dict() before that step raises, naming the optimizer, the key and the param; training
+    and a state dict after the first step work as before."""
+    model = W.Net()
+    opt = zerokern.ZeroOptimizer(model.named_parameters(), _FloatStateSGD, lr=0.1, elementwise=True)
+    with pytest.raises(ValueError, match=r"_FloatStateSGD makes its state 'seen' \(a float.*a\.weight has had none"):
+        opt.state_dict()
+    opt.zero_grad()
+    model(torch.randn(4, 6)).backward()
+    opt.step()
+    sd = opt.state_dict()
+    assert {st["seen"] for st in sd["state"].values()} == {1.0}
+    assert all(not st["zerokern_fresh"] for st in sd["state"].values())

@@ -20,6 +20,8 @@ get_optimizer_state_dict steps an optimizer with no state (zero grads, lr 0) to 
   FRESH (torch's own optimizer's) is taken as stepped.
 late_keys finds the late keys of a param group by running a throwaway instance of the class one
 step on a 2-element tensor. A class without _init_group (not from torch.optim) has every key late.
+A late key that is not a tensor (a custom optimizer's Python float) has no placeholder DCP could
+fill: state_dict() raises, naming it, until every param has had a step.
 """
 
 import torch
@@ -71,8 +73,9 @@ def make_initial_state(inner, params):
 
 
 def late_keys(optimizer_class, kwargs, group, device):
-    """{key: 0-dim template or None (a per-element tensor)} of the state that optimizer_class,
-    with this param group's keys, makes in a param's first update and not before it."""
+    """{key: 0-dim template, None (a per-element tensor) or the value's type (not a tensor)} of the
+    state that optimizer_class, with this param group's keys, makes in a param's first update and
+    not before it."""
     x = torch.zeros(2, device=device)
     probe = optimizer_class([{**_param_keys(group), "params": [x]}], **kwargs)
     make_initial_state(probe, [x])
@@ -84,22 +87,27 @@ def late_keys(optimizer_class, kwargs, group, device):
         if key in before:
             continue
         if not isinstance(v, torch.Tensor):
-            raise NotImplementedError(
-                f"ZeroOptimizer: {optimizer_class.__name__} makes its state {key!r} (a {type(v).__name__}) at the "
-                "first step; only tensor state made then can be checkpointed before that step")
-        late[key] = None if v.shape == x.shape else torch.zeros_like(v)
+            late[key] = type(v)  # no placeholder: with_placeholders refuses (training is unaffected)
+        else:
+            late[key] = None if v.shape == x.shape else torch.zeros_like(v)
     return late
 
 
-def with_placeholders(st, late, like):
+def with_placeholders(st, late, like, optimizer_class, name):
     """A state dict entry: the inner state `st` (the same tensors) and, where the group has late
-    keys, FRESH and zero placeholders of the late keys not made yet (per-element ones like `like`)."""
+    keys, FRESH and zero placeholders of the late keys not made yet (per-element ones like `like`).
+    Raises for a late key that is not a tensor (no placeholder can stand for it)."""
     out = dict(st)
     if late:
         fresh = not all(key in st for key in late)
         out[FRESH] = torch.tensor(fresh)
         if fresh:
             for key, template in late.items():
+                if isinstance(template, type):
+                    raise ValueError(
+                        f"ZeroOptimizer: {optimizer_class.__name__} makes its state {key!r} (a {template.__name__}, "
+                        f"not a tensor) at a param's first step, and {name} has had none: a state dict now would "
+                        "have no entry for it to load into. Take state dicts after every param has had a step")
                 out[key] = torch.zeros_like(like) if template is None else template.clone()
     return out
 

@@ -149,7 +149,8 @@ class ZeroOptimizer(EngineOptimizer):
         index = {p: k for k, p in enumerate(p for g in self.param_groups for p in g["params"])}
         for t, p in enumerate(self.engine.trainable):
             piece = self._piece[t]
-            st = inner_state.with_placeholders(self.inner.state[piece], self._late[t], piece)
+            st = inner_state.with_placeholders(self.inner.state[piece], self._late[t], piece, self.optimizer_class,
+                                               self._member(t)[1] or f"params[{index[p]}]")
             sd["state"][index[p]] = st
             if not self.strategy.shards_state:
                 continue
@@ -160,11 +161,14 @@ class ZeroOptimizer(EngineOptimizer):
                     checkpoint.mark_slice(v, start, n, numel)
         return sd
 
-    def _shape(self, t):
-        """The full shape of trainable param t (at stage 3 p.shape is empty between gathers)."""
+    def _member(self, t):
+        """(param, name, full shape) of trainable param t (at stage 3 p.shape is empty between gathers)."""
         s = self._where[t][0]
         k = next(k for k, pc in enumerate(self.engine.pieces[s]) if pc[0] == t)
-        return self.engine.param_of(self.engine.stores[s], k)[2]
+        return self.engine.param_of(self.engine.stores[s], k)
+
+    def _shape(self, t):
+        return self._member(t)[2]
 
     def _numel(self, t):
         return self._shape(t).numel()

@@ -106,6 +106,40 @@ def test_accelerate_resume_from_stage3(runs, stage3, world, how):
     assert _max_diff(resumed["params"], stage3["zero"]["params"]) <= tol
 
 
+@pytest.fixture(scope="module")
+def zero_optimizer3(runs):
+    """Issue 39: the same loop with zerokern.ZeroOptimizer(params, torch.optim.AdamW) at stage 3,
+    checkpointed at step 5 both ways."""
+    tmp, ckpt = runs["tmp"], str(runs["tmp"] / "ckpt_zo3")
+    zero = _launch(tmp, "zo3", 2, "zero-opt", "--save", ckpt, "--zero-stage", "3")
+    _launch(tmp, "zo3_acc", 2, "zero-opt", "--save", ckpt + "_acc", "--ckpt", "accelerate", "--zero-stage", "3")
+    return {"ckpt": ckpt, "zero": zero}
+
+
+def test_accelerate_with_a_zero_optimizer_at_stage3(runs, zero_optimizer3):
+    ref, zero = runs["ref"], zero_optimizer3["zero"]
+    assert zero["optimizer"] == "ZeroOptimizer" and zero["wrapped"] != "DistributedDataParallel"
+    assert zero["probes"] == [0.0, 0.0]
+    assert max(abs(zero["losses"][s] - ref["losses"][s]) for s in ref["losses"]) < 1e-5
+    assert zero["params"].keys() == ref["params"].keys()
+    assert _max_diff(zero["params"], ref["params"]) < 1e-5
+    assert zero["saved_model"].keys() == zero["params"].keys() | {"probe"}
+    assert all(torch.equal(zero["saved_model"][n], zero["params"][n]) for n in zero["params"])
+
+
+@pytest.mark.parametrize("how", ["dcp", "accelerate"])
+def test_accelerate_resumes_a_zero_optimizer_bit_for_bit(runs, zero_optimizer3, how):
+    """From torch's helpers + DCP, or from accelerator.save_state (the optimizer in its own DCP
+    directory): at stage 3 on 2 ranks the resumed run is the uninterrupted one, exactly."""
+    ckpt = zero_optimizer3["ckpt"] if how == "dcp" else zero_optimizer3["ckpt"] + "_acc"
+    resumed = _launch(runs["tmp"], f"resume_zo3_{how}", 2, "zero-opt", "--resume", ckpt, "--ckpt", how,
+                      "--zero-stage", "3")
+    want = zero_optimizer3["zero"]
+    assert all(resumed["losses"][s] == want["losses"][s] for s in range(5, 10)), (resumed["losses"], want["losses"])
+    assert resumed["params"].keys() == want["params"].keys()
+    assert all(torch.equal(resumed["params"][n], want["params"][n]) for n in want["params"])
+
+
 def test_a_skipped_step_is_reported_to_accelerate():
     """GradScaler always calls FusedZeroAdam's step (it skips inside, as torch's fused AdamW), so
     Accelerate's own test for a skipped step would say "not skipped" and Trainer would step the lr

@@ -96,6 +96,47 @@ def test_trainer_resumes_a_stage3_checkpoint(runs, stage3, world, zero_stage, to
     assert _max_diff(resumed["params"], stage3["zero"]["params"]) < tol
 
 
+@pytest.fixture(scope="module")
+def zero_optimizer3(runs):
+    """Issue 39: ZeroTrainer given optimizers=(zerokern.ZeroOptimizer(groups, torch.optim.AdamW), schedule)
+    over a model sharded at stage 3 on 2 ranks; the run's checkpoint at step 10 resumed on 2 ranks.
+    Each run ends with save_model() on every rank and from_pretrained on rank 0."""
+    zero = _launch(runs["tmp"], "zeroopt3", 2, "zero-opt", zero_stage=3)
+    resumed = _launch(runs["tmp"], "zeroopt3_resume", 2, "zero-opt", zero_stage=3,
+                      resume=str(runs["tmp"] / "zeroopt3" / "checkpoint-10"))
+    return {"zero": zero, "resumed": resumed}
+
+
+def test_trainer_with_a_zero_optimizer_at_stage3_matches_ddp_adamw(runs, zero_optimizer3):
+    ref, zero = runs["ref"], zero_optimizer3["zero"]
+    assert zero["optimizer"] == "ZeroOptimizer" and zero["wrapped"] != "DistributedDataParallel", zero["wrapped"]
+    assert sorted(zero["losses"]) == list(range(1, 21))
+    worst = max(abs(zero["losses"][s] - ref["losses"][s]) for s in ref["losses"])
+    print(f"\nTrainer + ZeroOptimizer(AdamW) at stage 3, 2 ranks: worst loss diff {worst:.2e}, "
+          f"worst param diff {_max_diff(zero['params'], ref['params']):.2e}")
+    assert worst < 1e-4, (worst, zero["losses"], ref["losses"])
+    assert zero["params"].keys() == ref["params"].keys()
+    assert _max_diff(zero["params"], ref["params"]) < 1e-4
+
+
+def test_trainer_with_a_zero_optimizer_saves_the_whole_model(zero_optimizer3):
+    """save_model wrote rank 0's slices (lm_head.weight (96, 65), ...) and from_pretrained failed:
+    the ZeroOptimizer was not recognised, so Trainer's own save ran."""
+    zero = zero_optimizer3["zero"]
+    assert zero["pretrained"].keys() == zero["params"].keys()
+    assert all(torch.equal(zero["pretrained"][n], zero["params"][n]) for n in zero["params"])
+
+
+def test_trainer_with_a_zero_optimizer_resumes_bit_for_bit(zero_optimizer3):
+    """The optimizer (DCP directory) and the scheduler of the checkpoint at step 10 are loaded:
+    steps 11-20 are those of the uninterrupted run, exactly."""
+    zero, resumed = zero_optimizer3["zero"], zero_optimizer3["resumed"]
+    assert all(resumed["losses"][s] == zero["losses"][s] for s in range(11, 21)), (resumed["losses"], zero["losses"])
+    assert resumed["params"].keys() == zero["params"].keys()
+    assert all(torch.equal(resumed["params"][n], zero["params"][n]) for n in zero["params"])
+    assert all(torch.equal(resumed["pretrained"][n], zero["params"][n]) for n in zero["params"])
+
+
 def test_zero_trainer_takes_hyperparameters_from_training_arguments(tmp_path):
     from transformers import TrainingArguments
 

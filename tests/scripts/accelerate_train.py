@@ -1,12 +1,13 @@
 """Accelerate loop for tests/test_accelerate.py (torchrun, or plainly for one process): an MLP
 trained with accumulate(), clip_grad_norm_ and a warmup schedule, with torch AdamW under
 Accelerate's DDP (--optimizer torch) or with FusedZeroAdam on an attach()ed Accelerator
-(--optimizer zero). Checkpoints go through torch.distributed.checkpoint. Rank 0 writes the
+(--optimizer zero), or with zerokern.ZeroOptimizer over torch AdamW (--optimizer zero-opt). Checkpoints go through torch.distributed.checkpoint. Rank 0 writes the
 losses, the final params and the number of gradient reductions to --out. --optimizer zero-plain
 (tests/test_ddp_guard.py): FusedZeroAdam on a plain Accelerator (no attach), which must fail; each
 rank writes its error to --out.rank<r>."""
 
 import argparse
+import functools
 import os
 
 import torch
@@ -21,7 +22,7 @@ STEPS, ACCUM, GLOBAL_BATCH = 10, 2, 8
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--optimizer", choices=["torch", "zero", "zero-plain"], required=True)
+    ap.add_argument("--optimizer", choices=["torch", "zero", "zero-opt", "zero-plain"], required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--save", default=None, help="DCP checkpoint directory, written after step 5")
     ap.add_argument("--resume", default=None, help="DCP checkpoint directory to start from (step 5)")
@@ -36,7 +37,8 @@ def main():
     torch.set_num_threads(1)
     accelerator = Accelerator(gradient_accumulation_steps=ACCUM, cpu=True)
     world = accelerator.num_processes
-    if args.optimizer == "zero":
+    zero = args.optimizer in ("zero", "zero-opt")  # attached, with a zerokern optimizer
+    if zero:
         from zerokern.integrations.accelerate import attach
         attach(accelerator)
 
@@ -48,15 +50,18 @@ def main():
     x = torch.randn(STEPS * ACCUM * GLOBAL_BATCH, 12, generator=g)
     y = x @ torch.randn(12, 5, generator=g)  # learnable: the loss must fall
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=GLOBAL_BATCH // world)
-    if args.optimizer in ("zero", "zero-plain"):
-        from zerokern import FusedZeroAdam
+    if args.optimizer in ("zero", "zero-opt", "zero-plain"):
+        import zerokern
+        if args.optimizer == "zero-opt":
+            build = functools.partial(zerokern.ZeroOptimizer, optimizer_class=torch.optim.AdamW)
+        else:
+            build = zerokern.FusedZeroAdam
         if args.zero_stage == 3 and world > 1:
-            import zerokern
             for m in (model[0], model[2], model):
                 zerokern.shard(m, stage=3, bucket_cap_mb=0.002)
-            opt = FusedZeroAdam(model.parameters(), lr=5e-2, weight_decay=0.01)
+            opt = build(model.parameters(), lr=5e-2, weight_decay=0.01)
         else:
-            opt = FusedZeroAdam(model.parameters(), lr=5e-2, weight_decay=0.01, zero_stage=2, bucket_cap_mb=0.002)
+            opt = build(model.parameters(), lr=5e-2, weight_decay=0.01, zero_stage=2, bucket_cap_mb=0.002)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=5e-2, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
@@ -76,7 +81,7 @@ def main():
     probes = accelerator.gather(accelerator.unwrap_model(model).probe).tolist()
     reductions = [0]
     inner = getattr(opt, "optimizer", opt)
-    if args.optimizer == "zero":
+    if zero:
         comm = inner.comm
 
         def counting(collective):
@@ -123,7 +128,7 @@ def main():
                     torch.save(sched.state_dict(), os.path.join(args.save, "sched.pt"))
                 accelerator.wait_for_everyone()
     saved = None
-    if args.optimizer == "zero" and not args.resume:
+    if zero and not args.resume:
         # accelerator.save_model (safetensors): every weight must be in the file
         accelerator.save_model(model, args.out + ".model")
         if accelerator.is_main_process:
@@ -137,7 +142,8 @@ def main():
         params = {n: p.detach().clone() for n, p in accelerator.unwrap_model(model).named_parameters()}
     if accelerator.is_main_process:
         torch.save({"saved_model": saved, "probes": probes, "losses": losses, "world": world, "reductions": reductions[0],
-                    "buckets": len(inner.schedule.buckets) if args.optimizer == "zero" else None,
+                    "buckets": len(inner.schedule.buckets) if zero else None,
+                    "optimizer": type(inner).__name__,
                     "wrapped": type(model).__name__,
                     "params": params},
                    args.out)

@@ -1,7 +1,9 @@
 """HF Trainer run for tests/test_hf_trainer.py (launched with torchrun, or plainly for one
 process): a tiny random-init GPT-2 on synthetic tokens, trained with torch AdamW under DDP
-(--optimizer torch) or with zerokern's ZeroTrainer (--optimizer zero). Rank 0 writes the
-logged losses and the final params to --out. --optimizer zero-plain (tests/test_ddp_guard.py):
+(--optimizer torch) or with zerokern's ZeroTrainer (--optimizer zero: the FusedZeroAdam it builds;
+--optimizer zero-opt: a zerokern.ZeroOptimizer over torch AdamW and a warmup schedule passed in,
+with Trainer's param groups; after training every rank calls save_model and rank 0 reads it back
+with from_pretrained). Rank 0 writes the logged losses and the final params to --out. --optimizer zero-plain (tests/test_ddp_guard.py):
 a plain Trainer given a FusedZeroAdam, which must fail; each rank writes its error to
 --out.rank<r>."""
 
@@ -39,7 +41,7 @@ class CountReductions(TrainerCallback):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--optimizer", choices=["torch", "zero", "zero-plain"], required=True)
+    ap.add_argument("--optimizer", choices=["torch", "zero", "zero-opt", "zero-plain"], required=True)
     ap.add_argument("--output-dir", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--resume", default=None)
@@ -89,9 +91,27 @@ def main():
             for block in model.transformer.h:
                 zerokern.shard(block, stage=3, bucket_cap_mb=0.01)
             zerokern.shard(model, stage=3, bucket_cap_mb=0.01)
-        trainer = ZeroTrainer(model=model, args=targs, train_dataset=data, callbacks=[counter],
-                              zero_kwargs={"zero_stage": args.zero_stage, "bucket_cap_mb": 0.01})
+        sharded = args.zero_stage == 3 and world > 1
+        if args.optimizer == "zero-opt":  # issue 39: ZeroTrainer given a ZeroOptimizer and a schedule
+            import zerokern
+            from transformers import get_linear_schedule_with_warmup
+            decay = set(Trainer.get_decay_parameter_names(None, model))  # Trainer's groups, as the reference
+            groups = [{"params": [p for n, p in model.named_parameters() if n in decay], "weight_decay": 0.01},
+                      {"params": [p for n, p in model.named_parameters() if n not in decay], "weight_decay": 0.0}]
+            sharding = {} if sharded else {"zero_stage": args.zero_stage, "bucket_cap_mb": 0.01}
+            opt = zerokern.ZeroOptimizer(groups, torch.optim.AdamW, lr=3e-3, **sharding)
+            trainer = ZeroTrainer(model=model, args=targs, train_dataset=data, callbacks=[counter],
+                                  optimizers=(opt, get_linear_schedule_with_warmup(opt, 5, STEPS)))
+        else:
+            trainer = ZeroTrainer(model=model, args=targs, train_dataset=data, callbacks=[counter],
+                                  zero_kwargs={"zero_stage": args.zero_stage, "bucket_cap_mb": 0.01})
     trainer.train(resume_from_checkpoint=args.resume)
+    pretrained = None
+    if args.optimizer == "zero-opt":
+        trainer.save_model()  # every rank (at stage 3 a collective)
+        if trainer.args.process_index == 0:
+            pretrained = {n: p.detach().clone() for n, p in
+                          GPT2LMHeadModel.from_pretrained(args.output_dir).named_parameters()}
     if args.zero_stage == 3 and world > 1:  # each rank holds slices: the whole weights (a collective)
         import zerokern
         params = {k: v for k, v in zerokern.full_state_dict(model).items() if k in dict(model.named_parameters())}
@@ -104,7 +124,7 @@ def main():
                     "buckets": counter.buckets,
                     "optimizer": type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__,
                     "wrapped": type(trainer.model_wrapped).__name__,
-                    "params": params}, args.out)
+                    "params": params, "pretrained": pretrained}, args.out)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Accelerate and FusedZeroAdam.
+"""Accelerate and zerokern's optimizers (FusedZeroAdam, ZeroOptimizer).
 
     from accelerate import Accelerator
     from zerokern import FusedZeroAdam
@@ -38,6 +38,8 @@ torch.distributed.checkpoint directory of its own,
 "optimizer_zerokern_<i>", written by every rank and re-sharded on load (Accelerate
 writes optimizer.bin from rank 0 only, which would hold rank 0's shard: it gets a
 note saying where the state is instead).
+What is said of FusedZeroAdam here holds for every zerokern optimizer (ZeroOptimizer too),
+recognised by zerokern.optim.engine_optimizer.zero_optimizer_in.
 Everything else, and every other model, goes to Accelerate unchanged.
 tests/test_accelerate.py pins this to the Accelerate version installed.
 """
@@ -52,6 +54,7 @@ import torch.distributed.checkpoint as dcp
 
 from ..zero.unit import owner_of
 from ..zero.api import full_state_dict
+from ..optim.engine_optimizer import zero_optimizer_in
 from ..optim.state_dict import FORMAT
 
 
@@ -63,15 +66,15 @@ def _trainable(params):
 
 
 def attach(accelerator):
-    """Teach this Accelerator about FusedZeroAdam (before accelerator.prepare). Returns it."""
+    """Teach this Accelerator about zerokern's optimizers (before accelerator.prepare). Returns it."""
     if getattr(accelerator, "_zerokern_attached", False):
         return accelerator
     prepare_model, prepare_optimizer = accelerator.prepare_model, accelerator.prepare_optimizer
     no_sync, clip_grad_norm_ = accelerator.no_sync, accelerator.clip_grad_norm_
     get_state_dict, save_state, load_state = accelerator.get_state_dict, accelerator.save_state, accelerator.load_state
     free_memory = accelerator.free_memory
-    wrapped_in_ddp = []  # models this Accelerator wrapped in DDP: a FusedZeroAdam must not own them
-    zero_opts = []  # the FusedZeroAdams it prepared, in order (their checkpoint directories are numbered so)
+    wrapped_in_ddp = []  # models this Accelerator wrapped in DDP: a zerokern optimizer must not own them
+    zero_opts = []  # the zerokern optimizers it prepared, in order (their checkpoint directories are numbered so)
 
     def zero_prepare_model(model, device_placement=None, evaluation_mode=False):
         opt = owner_of(_trainable(model.parameters()))
@@ -84,13 +87,13 @@ def attach(accelerator):
         return out
 
     def zero_prepare_optimizer(optimizer, device_placement=None):
-        inner = getattr(optimizer, "optimizer", optimizer)
-        if hasattr(inner, "share_found_inf"):  # a FusedZeroAdam
+        inner = zero_optimizer_in(optimizer)
+        if inner is not None:
             mine = {id(p) for g in inner.param_groups for p in g["params"]}
             for ddp in wrapped_in_ddp:
                 if any(id(p) in mine for p in ddp.module.parameters()):
                     raise RuntimeError(
-                        "zerokern: accelerator.prepare wrapped the model in DDP before it saw the FusedZeroAdam "
+                        f"zerokern: accelerator.prepare wrapped the model in DDP before it saw the {type(inner).__name__} "
                         "that trains it, so both would reduce the grads. Build the optimizer first and prepare "
                         "them together: accelerator.prepare(model, optimizer, ...)")
             zero_opts.append(inner)
@@ -115,7 +118,7 @@ def attach(accelerator):
             return clip_grad_norm_(params, max_norm, norm_type=norm_type)
         if {id(p) for p in trainable} != {id(p) for p in opt.engine.trainable}:
             raise NotImplementedError(
-                "zerokern: accelerator.clip_grad_norm_ got a part of FusedZeroAdam's params; it clips all of them "
+                f"zerokern: accelerator.clip_grad_norm_ got a part of {type(opt).__name__}'s params; it clips all of them "
                 "by their global norm (opt.clip_grad_norm_). Pass model.parameters(), or use a separate optimizer "
                 "for params clipped apart")
         norm = opt.clip_grad_norm_(max_norm, norm_type)

@@ -1,4 +1,4 @@
-"""transformers.Trainer with FusedZeroAdam.
+"""transformers.Trainer with FusedZeroAdam or ZeroOptimizer.
 
     from zerokern.integrations.hf import ZeroTrainer
 
@@ -12,8 +12,10 @@ ZeroTrainer is a Trainer that builds FusedZeroAdam from the TrainingArguments
 (learning_rate, adam_beta1/2, adam_epsilon, weight_decay with Trainer's
 no-decay groups; zero_kwargs are passed on: zero_stage, bucket_cap_mb,
 overlap_comm, ...) after Trainer has placed the model, unless you pass one
-yourself (optimizers=(opt, sched) or optimizer_cls_and_kwargs). Then, in the
-same places where Trainer special-cases DeepSpeed and FSDP:
+yourself (optimizers=(opt, sched) or optimizer_cls_and_kwargs; any zerokern
+optimizer, zerokern.ZeroOptimizer too, as recognised by
+zerokern.optim.engine_optimizer.zero_optimizer_in). Then, in the same places where
+Trainer special-cases DeepSpeed and FSDP:
 - its Accelerator is attach()ed (zerokern/integrations/accelerate.py): no DDP
   wrap, gradient accumulation enters opt.no_sync(), max_grad_norm clips with
   opt.clip_grad_norm_ (the global norm);
@@ -36,6 +38,7 @@ import torch
 from transformers import Trainer
 
 from ..optim import FusedZeroAdam
+from ..optim.engine_optimizer import zero_optimizer_in
 from .accelerate import attach
 from .dcp import load_optimizer, save_optimizer
 
@@ -69,13 +72,12 @@ class ZeroTrainer(Trainer):
         return super().create_optimizer(model) if model is not None else super().create_optimizer()
 
     def _zero_optimizer(self):
-        opt = getattr(self.optimizer, "optimizer", self.optimizer)  # inside Accelerate's wrapper
-        return opt if isinstance(opt, FusedZeroAdam) else None
+        return zero_optimizer_in(self.optimizer)  # inside Accelerate's wrapper
 
     @property
     def zero_optimizer(self):
-        """The FusedZeroAdam (None before train() builds it): trainer.optimizer is Accelerate's
-        wrapper, which has no memory_report()."""
+        """The zerokern optimizer, FusedZeroAdam or ZeroOptimizer (None before train() builds it):
+        trainer.optimizer is Accelerate's wrapper, which has no memory_report()."""
         return self._zero_optimizer()
 
     def save_model(self, output_dir=None, _internal_call=False):

@@ -91,3 +91,11 @@ class EngineOptimizer(torch.optim.Optimizer):
     def memory_report(self):
         """Bytes this rank holds, by kind (docs/usage.md explains each)."""
         return self.engine.memory_report()
+
+
+def zero_optimizer_in(optimizer):
+    """The zerokern optimizer (FusedZeroAdam, ZeroOptimizer: any EngineOptimizer) that `optimizer`
+    is, or that it wraps (Accelerate's AcceleratedOptimizer keeps it as .optimizer); else None.
+    How every integration recognises one (zerokern/integrations/)."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return inner if isinstance(inner, EngineOptimizer) else None

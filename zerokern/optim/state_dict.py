@@ -123,7 +123,20 @@ def _decoded(codes, scales, offset, second):
     return codes.to(torch.float32, copy=True)
 
 
-def _check_groups(opt, saved):
+def by_position(sd, saved):
+    """`saved` (sd["state"], or a dict keyed alike) keyed by param position. As torch.optim: the
+    state is keyed by what the saved param groups list (indices, or names from
+    torch.distributed.checkpoint's get_optimizer_state_dict), matched to our params by position."""
+    position = {key: k for k, key in enumerate(key for g in sd["param_groups"] for key in g["params"])}
+    out = {}
+    for key, v in saved.items():
+        if key not in position:
+            raise ValueError(f"the state dict has state for param {key!r}, which none of its param groups lists")
+        out[position[key]] = v
+    return out
+
+
+def check_groups(opt, saved):
     if len(saved) != len(opt.param_groups):
         raise ValueError(f"the state dict has {len(saved)} param groups, the optimizer {len(opt.param_groups)}")
     for i, (mine, theirs) in enumerate(zip(opt.param_groups, saved)):
@@ -157,17 +170,8 @@ def load_state_dict(opt, sd):
         _check_shard(meta)
     params = _params(opt)
     # Every check first (sizes, param groups), so a refused dict changes nothing.
-    _check_groups(opt, sd["param_groups"])
-    # As torch.optim: the state is keyed by what the saved param groups list (indices, or
-    # names from torch.distributed.checkpoint's helpers), matched to our params by position.
-    position = {key: k for k, key in enumerate(key for g in sd["param_groups"] for key in g["params"])}
-    state, masters = {}, {}
-    for into, saved in ((state, sd["state"]), (masters, sd.get("zerokern_master", {}))):
-        for key, v in saved.items():
-            if key not in position:
-                raise ValueError(f"the state dict has state for param {key!r}, which none of its param groups "
-                                 "lists")
-            into[position[key]] = v
+    check_groups(opt, sd["param_groups"])
+    state, masters = by_position(sd, sd["state"]), by_position(sd, sd.get("zerokern_master", {}))
     slices = _slices(opt)
     # An unmarked tensor of a slice's size is taken as this rank's slice only if the dict says
     # it was saved by this rank with these slices (a copy lost the marks: tensor.to("cpu:0")).

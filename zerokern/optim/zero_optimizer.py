@@ -14,15 +14,20 @@ RMSprop, ...) the pieces together give exactly the numbers of the same optimizer
 params. One that reads whole tensors (Adafactor's row and column statistics, LAMB's trust ratio,
 LBFGS) would not, and is refused.
 
-State: the inner optimizer's, per piece. state_dict() gives it keyed by the outer param index,
-each piece-sized tensor marked with where it lies in the flattened param (as FusedZeroAdam's:
-[Note: sharded state in checkpoints] in optim/state_dict.py), so dcp.save / dcp.load re-shard it;
-load_state_dict takes such a dict, or whole (unsharded) tensors, e.g. the same torch optimizer's
+State: the inner optimizer's, per piece (every trainable param has a piece on every rank, an
+empty one where the rank holds none of its elements), made at construction as the first step
+would make it ([Note: inner state before the first step] in optim/inner_state.py), so a fresh
+optimizer's state_dict() has every entry dcp.load must fill. state_dict() gives it keyed by the
+outer param index, each piece-sized tensor marked with where it lies in the flattened param (as
+FusedZeroAdam's: [Note: sharded state in checkpoints] in optim/state_dict.py), so dcp.save /
+dcp.load re-shard it; load_state_dict takes such a dict (keyed by index, or by name as torch's
+set_optimizer_state_dict gives it), or whole (unsharded) tensors, e.g. the same torch optimizer's
 state dict on one process.
 """
 
 import torch
 
+from . import inner_state
 from . import state_dict as checkpoint
 from ..zero.engine import ZeroEngine
 from .engine_optimizer import EngineOptimizer
@@ -69,28 +74,36 @@ class ZeroOptimizer(EngineOptimizer):
                                  what="ZeroOptimizer", options=repr((optimizer_class.__name__, kwargs)), **sharding)
         trainable = self.engine.trainable
         group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
-        # per trainable param: (store index, shard offset, numel, start in the flattened param)
+        # per trainable param: (store index, shard offset, numel, start in the flattened param). Every
+        # trainable param has a piece on every rank, an empty one where this rank holds none of its
+        # elements: the inner optimizer keeps its per-param scalars (Adam's step, ...) there too, so
+        # every rank's state dict has every param, as torch's checkpoint helpers want, and the ranks
+        # agree on those scalars.
         self._where = [None] * len(trainable)
         for s, pieces in enumerate(self.engine.pieces):
             for t, off, n, start in pieces:
-                if n:
-                    self._where[t] = (s, off, n, start)
+                self._where[t] = (s, off, n, start)
         stores = self.engine.stores
         self._piece = {t: stores[w[0]].master[w[1]:w[1] + w[2]]  # a leaf view: the inner optimizer's param
-                       for t, w in enumerate(self._where) if w is not None}
+                       for t, w in enumerate(self._where)}
         ts_of = [[] for _ in self.param_groups]  # per param group, its pieces' trainable indices
         for t, p in enumerate(trainable):
-            if t in self._piece:
-                ts_of[group_of[id(p)]].append(t)
-        self._inner_groups = [gi for gi, ts in enumerate(ts_of) if ts]  # groups with a piece on this rank
+            ts_of[group_of[id(p)]].append(t)
+        self._inner_groups = [gi for gi, ts in enumerate(ts_of) if ts]  # groups with a trainable param
         self._inner_ts = [ts_of[gi] for gi in self._inner_groups]
         self._inner_index = {t: k for k, t in enumerate(t for ts in self._inner_ts for t in ts)}
         keys = lambda g: {k: v for k, v in g.items() if k not in ("params", "param_names")}  # noqa: E731
         kept = [{**keys(self.param_groups[gi]), "params": [self._piece[t] for t in ts]}
                 for gi, ts in zip(self._inner_groups, self._inner_ts)]
-        if not kept:  # this rank holds no element of any param (more ranks than elements)
+        if not kept:  # no trainable param
             kept = [{**keys(self.param_groups[0]), "params": [torch.zeros(0)]}]
         self.inner = optimizer_class(kept, **kwargs)
+        # [Note: inner state before the first step] in optim/inner_state.py
+        device = stores[0].master.device if stores else torch.device("cpu")
+        late = [inner_state.late_keys(optimizer_class, kwargs, g, device) for g in self.inner.param_groups]
+        self._late = {t: late[k] for k, ts in enumerate(self._inner_ts) for t in ts}
+        inner_state.make_initial_state(self.inner, list(self._piece.values()))
+        self._sync_state()
 
     def _update(self, had, divisor):
         stores = self.engine.stores
@@ -120,52 +133,64 @@ class ZeroOptimizer(EngineOptimizer):
     # --- state dicts ----------------------------------------------------------
 
     def _sync_state(self):
-        """self.state[p] is the inner optimizer's state of p's piece (the same dict)."""
+        """self.state[p] is the inner optimizer's state of p's piece (the same dict), for every
+        trainable p ({} where the inner optimizer keeps none)."""
+        self.state.clear()
         for t, p in enumerate(self.engine.trainable):
-            if t in self._piece and self._piece[t] in self.inner.state:
-                self.state[p] = self.inner.state[self._piece[t]]
+            self.state[p] = self.inner.state[self._piece[t]]
 
     def state_dict(self):
-        """This rank's pieces' state, keyed by param index as torch.optim's; piece-sized tensors are
-        marked as slices of the flattened param where the state is sharded (DCP re-shards them)."""
+        """This rank's pieces' state, keyed by param index as torch.optim's, an entry for every
+        trainable param (made before the first step: [Note: inner state before the first step]);
+        piece-sized tensors are marked as slices of the flattened param where the state is
+        sharded (DCP re-shards them)."""
         self.engine.finish_param_gather()
-        self._sync_state()
         sd = torch.optim.Optimizer.state_dict(self)
         index = {p: k for k, p in enumerate(p for g in self.param_groups for p in g["params"])}
         for t, p in enumerate(self.engine.trainable):
-            w, st = self._where[t], sd["state"].get(index[p])
-            if w is None or st is None or not self.strategy.shards_state:
+            piece = self._piece[t]
+            st = inner_state.with_placeholders(self.inner.state[piece], self._late[t], piece, self.optimizer_class,
+                                               self._member(t)[1] or f"params[{index[p]}]")
+            sd["state"][index[p]] = st
+            if not self.strategy.shards_state:
                 continue
-            _, _, n, start = w
+            _, _, n, start = self._where[t]
             numel = self._numel(t)
-            for key, v in st.items():
+            for v in st.values():
                 if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == n:
                     checkpoint.mark_slice(v, start, n, numel)
         return sd
 
-    def _shape(self, t):
-        """The full shape of trainable param t (at stage 3 p.shape is empty between gathers)."""
+    def _member(self, t):
+        """(param, name, full shape) of trainable param t (at stage 3 p.shape is empty between gathers)."""
         s = self._where[t][0]
         k = next(k for k, pc in enumerate(self.engine.pieces[s]) if pc[0] == t)
-        return self.engine.param_of(self.engine.stores[s], k)[2]
+        return self.engine.param_of(self.engine.stores[s], k)
+
+    def _shape(self, t):
+        return self._member(t)[2]
 
     def _numel(self, t):
         return self._shape(t).numel()
 
     def load_state_dict(self, state_dict):
-        """A dict from state_dict() (this rank's, or re-sharded by DCP), or one with whole tensors
-        (the same torch optimizer on one process): each piece takes its slice."""
+        """A dict from state_dict() (this rank's, or re-sharded by DCP; keyed by param index, or by
+        name as torch's set_optimizer_state_dict hands it), or one with whole tensors (the same
+        torch optimizer on one process): each piece takes its slice. As torch.optim, a param with
+        no state in the dict starts afresh."""
         self.engine.finish_param_gather()
+        checkpoint.check_groups(self, state_dict["param_groups"])
+        saved = checkpoint.by_position(state_dict, state_dict["state"])
         params = [p for g in self.param_groups for p in g["params"]]
         index = {p: k for k, p in enumerate(params)}
-        inner_state = {}
+        inner_state_dict = {}
         for t, p in enumerate(self.engine.trainable):
-            st = state_dict["state"].get(index[p])
-            if st is None or t not in self._piece:
+            st = saved.get(index[p])
+            if st is None:
                 continue
             _, _, n, start = self._where[t]
             numel, out = self._numel(t), {}
-            for key, v in st.items():
+            for key, v in inner_state.without_placeholders(st, self._late[t]).items():
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
                     where = checkpoint.slice_of(v)
                     if where is not None and where != (start, n, numel):
@@ -184,14 +209,15 @@ class ZeroOptimizer(EngineOptimizer):
                 # a copy: the inner optimizer updates its state in place, and must not write into the
                 # caller's dict (or share a step counter with the optimizer it came from)
                 out[key] = v.clone() if isinstance(v, torch.Tensor) else v
-            inner_state[self._inner_index[t]] = out
+            inner_state_dict[self._inner_index[t]] = out
         groups = [{**{k: v for k, v in state_dict["param_groups"][gi].items() if k not in ("params", "param_names")},
                    "params": [self._inner_index[t] for t in ts]} for gi, ts in zip(self._inner_groups, self._inner_ts)]
         if not groups:
             groups = [{**self.inner.param_groups[0], "params": [0]}]
-        for gi, saved in enumerate(state_dict["param_groups"]):
-            self.param_groups[gi].update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
-        self.inner.load_state_dict({"state": inner_state, "param_groups": groups})
+        for gi, group in enumerate(state_dict["param_groups"]):
+            self.param_groups[gi].update({k: v for k, v in group.items() if k not in ("params", "param_names")})
+        self.inner.load_state_dict({"state": inner_state_dict, "param_groups": groups})
+        inner_state.make_initial_state(self.inner, list(self._piece.values()))  # the params the dict had none of
         self._sync_state()
 
     def memory_report(self):

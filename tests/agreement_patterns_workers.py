@@ -6,6 +6,7 @@ import os
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 import zerokern
@@ -45,8 +46,8 @@ class Net(nn.Module):
         return self.head(x).square().mean()
 
 
-def _build(stage):
-    os.environ["ZEROKERN_COLLECTIVE_TIMEOUT"] = "30"  # a rank that waits elsewhere: an error well within the test's
+def _build(stage, timeout="30"):
+    os.environ["ZEROKERN_COLLECTIVE_TIMEOUT"] = timeout  # a rank that waits elsewhere: an error well within the test's
     model = Net()
     if stage == 3:
         for m in [*model.blocks, model.head]:
@@ -233,3 +234,32 @@ def mismatch_inside_a_round(rank, world):
     if rank == 1:
         names[3] = "all_reduce[elsewhere]"
     return _held_queue(rank, names)
+
+
+def uneven_eval(rank, world):
+    """[Note: the cause, on every rank] An eval loop over shards of different lengths at stage 3:
+    rank 0 runs 3 batches, rank 1 runs 2 and goes on to the all_reduce of its eval loss (the user's
+    own collective). Rank 0 gives up waiting (the timeout) and raises; rank 1's all_reduce then
+    fails with gloo's connection error, which zerokern cannot wrap: its excepthook names rank 0's
+    error after the traceback, and explain() gives that line."""
+    import contextlib
+    import io
+    import sys
+    from zerokern.zero.comm import check
+    model, opt = _build(3, timeout="4")  # rank 0 waits that long for rank 1's gather
+    total = torch.zeros(())
+    try:
+        with torch.no_grad():
+            for x in _batches(rank, n=3 - rank):
+                total += model(x)
+        dist.all_reduce(total)
+        return {"error": None}
+    except Exception as e:  # noqa: BLE001  what each rank sees is the result
+        out = {"error": f"{type(e).__name__}: {e}", "explained": check.explain(e),
+               "hooked": getattr(sys.excepthook, "zerokern", False)}
+        if out["hooked"]:
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err):
+                sys.excepthook(type(e), e, e.__traceback__)  # as Python would, for an uncaught error
+            out["printed"] = err.getvalue()
+        return out

@@ -86,3 +86,17 @@ def test_a_mismatch_inside_a_round_raises_on_every_rank():
                                   "all_reduce[3]", "all_reduce[elsewhere]")
     for out in outs:
         assert out["values"][:3] == [3.0, 6.0, 9.0], out["values"]  # agreed before the mismatch: launched
+
+
+def test_an_uneven_eval_loop_names_the_cause_on_every_rank():
+    """Issue 39 item 7: rank 0 ran 3 eval batches, rank 1 ran 2 and waits in its own all_reduce.
+    Rank 0 raises zerokern's error after the timeout; rank 1's all_reduce then fails with gloo's
+    bare connection error, and the line zerokern prints with it (its excepthook) quotes rank 0's
+    error, so both logs name the same cause."""
+    first, second = dist_harness.values(dist_harness.run(W.uneven_eval, 2, timeout=120))
+    assert first["error"].startswith("CollectiveMismatch") and "all_gather[" in first["error"], first
+    assert "run as many batches on every rank" in first["error"], first["error"]
+    cause = first["error"].split(": ", 1)[1]
+    assert "Connection closed by peer" in second["error"] or "Connection reset" in second["error"], second
+    assert second["explained"] is not None and cause in second["explained"], second
+    assert second["hooked"] and second["explained"] in second["printed"], second

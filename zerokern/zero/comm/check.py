@@ -39,6 +39,7 @@ import collections
 import itertools
 import os
 import queue
+import sys
 import threading
 import zlib
 from contextlib import contextmanager, nullcontext
@@ -109,16 +110,86 @@ def _timeout() -> float:
 
 
 _HINT = ("Every rank must make the same zerokern calls and run the same units, in the same order: run every unit "
-         "on every rank (LayerDrop, MoE experts: give a skipped unit a zero-weight input instead), skip a failed "
-         "batch on every rank or stop, call full_state_dict/save_model on every rank (rank0_only=True keeps the "
-         "result on rank 0), and pass synced_gpus=True to generate().")
+         "on every rank (LayerDrop, MoE experts: give a skipped unit a zero-weight input instead), run as many "
+         "batches on every rank (an eval loop over shards of different lengths: pad the shorter ones, as "
+         "DistributedSampler does, or give a rank with no batch left a dummy one), skip a failed batch on every "
+         "rank or stop, call full_state_dict/save_model on every rank (rank0_only=True keeps the result on rank 0), "
+         "and pass synced_gpus=True to generate().")
+
+
+# [Note: the cause, on every rank] A rank that gives up waiting for the others (the timeout: they
+# are in code of their own, e.g. the all_reduce of an eval loss after running fewer batches) raises
+# and exits, and the others then fail in whatever collective they were in, often the user's own,
+# with gloo's bare "Connection closed by peer". So before raising, the rank posts its error on the
+# process group's store, and a rank that meets a vanished peer names it: zerokern's RankLost quotes
+# it, and for the user's own collective (which zerokern cannot wrap) an excepthook installed with
+# the first check prints it after the traceback of the uncaught error. Best effort: the store may
+# be gone too, and nothing here may raise.
+_CAUSE_KEY = "zerokern/cause"
+
+
+def _store():
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001  no default group, or a torch without it: no posting
+        return None
+
+
+def _post_cause(message: str) -> None:
+    store = _store()
+    if store is not None:
+        try:
+            store.set(_CAUSE_KEY, message)
+        except Exception:  # noqa: BLE001  best effort ([Note: the cause, on every rank])
+            pass
+
+
+def posted_cause():
+    """The error another rank posted before it stopped ([Note: the cause, on every rank]), or None."""
+    store = _store()
+    if store is None:
+        return None
+    try:
+        return store.get(_CAUSE_KEY).decode() if store.check([_CAUSE_KEY]) else None
+    except Exception:  # noqa: BLE001  the store went with the rank that hosted it
+        return None
+
+
+def explain(error):
+    """For an error a vanished peer caused (gloo's connection errors): the line that names the
+    cause that peer posted, or None."""
+    if not any(g in str(error) for g in _GONE):
+        return None
+    cause = posted_cause()
+    if cause is None:
+        return None
+    rank = dist.get_rank() if dist.is_initialized() else "?"
+    return f"zerokern (rank {rank}): this error follows another rank's, which it posted before it stopped: {cause}"
+
+
+def _excepthook(previous):
+    def hook(kind, value, tb):
+        previous(kind, value, tb)
+        line = explain(value)
+        if line is not None:
+            print(line, file=sys.stderr, flush=True)
+    hook.zerokern = True
+    return hook
+
+
+def _install_excepthook() -> None:
+    if not getattr(sys.excepthook, "zerokern", False):
+        sys.excepthook = _excepthook(sys.excepthook)
 
 
 def _rank_lost(rank, when, error) -> RankLost:
     """The error for a peer whose connection went away (it exited, crashed or was killed)."""
+    cause = posted_cause()
+    said = (f"It posted before it stopped: {cause}" if cause is not None else
+            "Its own log says why.")
     return RankLost(
         f"zerokern (rank {rank}): another rank is gone {when} ({str(error).splitlines()[0][:160]}): it exited, "
-        "crashed or was killed; its own log says why. Every rank stops here rather than wait. To go on, restart "
+        f"crashed or was killed. {said} Every rank stops here rather than wait. To go on, fix that, then restart "
         "all ranks from your last checkpoint (torchrun --max-restarts does, and DCP loads at any world size).")
 
 
@@ -194,6 +265,7 @@ class CollectiveCheck:
         self._error = None  # the first failure: every later collective fails with it
         self._thread = None
         self._side = {}  # CUDA device index -> the stream launches are made on
+        _install_excepthook()  # [Note: the cause, on every rank]
 
     def submit(self, name: str, tensor, launch):
         """Queue launch() (which starts the collective on self.data and returns its Work) behind
@@ -298,10 +370,12 @@ class CollectiveCheck:
             cause = str(e).splitlines()[0][:160]
             if any(g in str(e) for g in _GONE):
                 raise _rank_lost(self.rank, f"while this one waited for #{seq} {what}", e) from None
-            raise CollectiveMismatch(
+            error = CollectiveMismatch(
                 f"zerokern (rank {self.rank}): waiting for the other ranks to reach #{seq} {what} failed "
                 f"({cause}): a rank stopped, raised, or waits elsewhere (timeout "
-                f"{self.timeout:g} s, ZEROKERN_COLLECTIVE_TIMEOUT). " + _HINT) from None
+                f"{self.timeout:g} s, ZEROKERN_COLLECTIVE_TIMEOUT). " + _HINT)
+            _post_cause(str(error))  # [Note: the cause, on every rank]
+            raise error from None
 
 
 # One check per process group (the groups' Comm objects share its sequence numbers: the group's

@@ -3,6 +3,7 @@ forward and backward at stage 3 (a gradient penalty's double backward, HF-style 
 root, params read outside a forward), against torch.optim.AdamW on one process."""
 
 import copy
+import gc
 
 import torch
 import torch.nn as nn
@@ -228,17 +229,18 @@ def compiled_matches_eager(rank, world):
 
 class ReadsHeadShape(nn.Module):
     """A forward that reads the head's shape before calling it (n_vocab = head.weight.shape[0]),
-    where the head's unit is still sharded."""
+    where the head's unit is still sharded, and runs two units twice (shared weights)."""
 
     def __init__(self):
         super().__init__()
         self.body = nn.Linear(8, 16)
-        self.head = nn.Linear(16, 4)
+        self.mid = nn.Linear(16, 4)
+        self.head = nn.Linear(4, 4)
 
     def forward(self, x):
         w = self.head.weight
-        bias = x.new_full((w.shape[0],), w.numel() / (w.size(-1) * w.dim() * len(w)))  # 0.5 from [4, 16]
-        return self.head(torch.tanh(self.body(x))) + bias
+        bias = x.new_full((w.shape[0],), w.numel() / (w.size(-1) * w.dim() * len(w)))  # 0.5 from [4, 4]
+        return self.head(self.mid(torch.tanh(self.body(x)))) * 0.5 + self.mid(torch.tanh(self.body(x))) + bias
 
 
 def compiled_reads_shapes(rank, world):
@@ -257,11 +259,12 @@ def compiled_reads_shapes(rank, world):
         ref_opt.step()
         ref_opt.zero_grad()
     for compiled in (False, True):
+        model = opt = None
+        gc.collect()  # the eager run's units are gone: the runtime drops them while dynamo traces its hooks
         torch.manual_seed(0)
         model = ReadsHeadShape()
-        zerokern.shard(model.body, stage=3)
-        zerokern.shard(model.head, stage=3)
-        zerokern.shard(model, stage=3)
+        for m in (model.body, model.mid, model.head, model):
+            zerokern.shard(m, stage=3)
         opt = FusedZeroAdam(model.parameters(), lr=1e-2, weight_decay=0.0)
         run = torch.compile(model) if compiled else model
         out[compiled] = []

@@ -105,7 +105,8 @@ def test_a_sharded_param_reports_its_full_shape_as_an_unsharded_one():
         "shape": lambda t: tuple(t.shape), "size()": lambda t: tuple(t.size()), "size(1)": lambda t: t.size(1),
         "size(-1)": lambda t: t.size(dim=-1), "dim": lambda t: t.dim(), "ndim": lambda t: t.ndim,
         "ndimension": lambda t: t.ndimension(), "numel": lambda t: t.numel(), "nelement": lambda t: t.nelement(),
-        "len": len, "dtype": lambda t: t.dtype, "requires_grad": lambda t: t.requires_grad,
+        "len": len, "nbytes": lambda t: t.nbytes, "dtype": lambda t: t.dtype,
+        "requires_grad": lambda t: t.requires_grad,
     }
     assert {k: f(p) for k, f in reads.items()} == {k: f(ref) for k, f in reads.items()}
     assert empty.held_shape(p) == (0,) and p.data.shape == (0,)  # what torch's own checks see

@@ -101,6 +101,10 @@ def _numel(self):
     return _full_shape(self).numel()
 
 
+def _nbytes(self):
+    return _numel(self) * self.element_size()
+
+
 def _repr(self):
     flat_ref, i, _ = _WHERE.get(self, (lambda: None, 0, None))
     flat = flat_ref()
@@ -111,14 +115,14 @@ def _repr(self):
 
 
 # [Note: shapes between gathers] A sharded param reports its full shape to Python (p.shape,
-# p.size(), p.dim(), p.ndim, p.numel(), len(p)), as FSDP2's DTensor params do: a script that
+# p.size(), p.dim(), p.ndim, p.numel(), len(p), p.nbytes), as FSDP2's DTensor params do: a script that
 # counts params or picks decay groups by p.dim() >= 2 after shard() gets what it got before.
 # The C++ tensor stays empty, so torch's own checks (a grad assigned, an op run) see [0]; code
 # that needs that shape asks held_shape(p). Only the sharded class has these methods: a gathered
 # param is its own class, its shape its data's.
 _FULL_SHAPE_METHODS = {
     "shape": property(_full_shape), "ndim": property(_dim), "size": _size, "dim": _dim, "ndimension": _dim,
-    "numel": _numel, "nelement": _numel, "__repr__": _repr,
+    "numel": _numel, "nelement": _numel, "nbytes": property(_nbytes), "__repr__": _repr,
 }
 
 

@@ -12,6 +12,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 import zerokern
 from param_gather_workers import T, V
 from stage3_workers import CkptGPT, _loss
+from zerokern.zero.params.empty import held_shape
 
 GLOBAL = 12  # rows per step, split among 1, 2 or 4 ranks
 
@@ -90,7 +91,7 @@ def save(rank, world, path, dtype, via):
     unchanged = all(torch.equal(a, b) for a, b in zip(before.values(), _whole(model).values()))
     train(model, opt, rank, world, BEFORE, BEFORE + AFTER)
     return {"unchanged": unchanged, "at_save": before, "final": _whole(model),
-            "shapes_between": sorted({tuple(p.shape) for p in model.parameters()})}
+            "shapes_between": sorted({tuple(held_shape(p)) for p in model.parameters()})}
 
 
 def resume(rank, world, path, dtype, via):

@@ -2,11 +2,16 @@
 forward and backward at stage 3 (a gradient penalty's double backward, HF-style init at the
 root, params read outside a forward), against torch.optim.AdamW on one process."""
 
+import copy
+import gc
+
 import torch
 import torch.nn as nn
 
 import zerokern
+from param_gather_workers import BATCH, TinyGPT, _data, _loss
 from zerokern import FusedZeroAdam
+from zerokern.zero.params.empty import held_shape
 
 
 def _mlp():
@@ -179,6 +184,7 @@ def params_read_outside_forward(rank, world):
     reads = {
         "hidden": lambda: model.hidden(x),
         "head weight": lambda: (model(x) @ model.head.weight.t()).sum().backward(),
+        "head mT": lambda: (model(x) @ model.head.weight.mT).sum().backward(),
         "l2": lambda: (model(x).sum() + 1e-2 * sum(p.square().sum() for p in model.parameters())).backward(),
     }
     out = {}
@@ -189,11 +195,13 @@ def params_read_outside_forward(rank, world):
         except RuntimeError as e:
             out[what] = str(e)
         opt.zero_grad()
-    # the allowed uses still work between gathers: shapes, state_dict, a no-op to(), repr, and training
+    # the allowed uses still work between gathers: shapes (the full ones, [Note: shapes between
+    # gathers]), state_dict, a no-op to(), repr, and training
     out["shapes"] = [tuple(p.shape) for p in model.parameters()]
+    out["held"] = [tuple(held_shape(p)) for p in model.parameters()]
     model.to(torch.float32)
     out["keys"] = sorted(model.state_dict())
-    repr(model.head.weight)
+    out["repr"] = repr(model.head.weight)
     (model.head(model(x)).square().mean()).backward()
     opt.step()
     out["trained"] = all(t.isfinite().all() for u in opt.units for f in u.flat for t in f.param_shards)
@@ -270,3 +278,117 @@ def compiled_training_step(rank, world):
     (eager_losses, eager_sd), (losses, sd) = out[False], out[True]
     return {"losses": losses, "eager_losses": eager_losses,
             "max_diff": max((sd[k] - eager_sd[k]).abs().max().item() for k in eager_sd), "keys": len(sd)}
+
+class ReadsHeadShape(nn.Module):
+    """A forward that reads the head's shape before calling it (n_vocab = head.weight.shape[0]),
+    where the head's unit is still sharded, and runs two units twice (shared weights)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(8, 16)
+        self.mid = nn.Linear(16, 4)
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x):
+        w = self.head.weight
+        bias = x.new_full((w.shape[0],), w.numel() / (w.size(-1) * w.dim() * len(w)))  # 0.5 from [4, 4]
+        return self.head(self.mid(torch.tanh(self.body(x)))) * 0.5 + self.mid(torch.tanh(self.body(x))) + bias
+
+
+def compiled_reads_shapes(rank, world):
+    """torch.compile and eager, one process unsharded: the same losses with a forward that reads a
+    sharded param's shape (the compiled code reads it outside the graph, where it is the full one)."""
+    gen = torch.Generator().manual_seed(1 + rank)
+    data = [torch.randn(4, 8, generator=gen) for _ in range(3)]
+    torch.manual_seed(0)
+    ref = ReadsHeadShape()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+    out = {"ref": []}
+    for x in data:  # this rank's batch only: the first loss is comparable, the rest are for the record
+        loss = ref(x).square().mean()
+        out["ref"].append(loss.item())
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for compiled in (False, True):
+        model = opt = None
+        gc.collect()  # the eager run's units are gone: the runtime drops them while dynamo traces its hooks
+        torch.manual_seed(0)
+        model = ReadsHeadShape()
+        for m in (model.body, model.mid, model.head, model):
+            zerokern.shard(m, stage=3)
+        opt = FusedZeroAdam(model.parameters(), lr=1e-2, weight_decay=0.0)
+        run = torch.compile(model) if compiled else model
+        out[compiled] = []
+        for x in data:
+            loss = run(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out[compiled].append(loss.item())
+    return out
+
+
+def _nanogpt_groups(model, weight_decay):
+    """nanoGPT's configure_optimizers: matrices decay, vectors do not; it prints the counts."""
+    param_dict = {pn: p for pn, p in model.named_parameters() if p.requires_grad}
+    decay = [n for n, p in param_dict.items() if p.dim() >= 2]
+    nodecay = [n for n, p in param_dict.items() if p.dim() < 2]
+    groups = [{"params": [param_dict[n] for n in decay], "weight_decay": weight_decay},
+              {"params": [param_dict[n] for n in nodecay], "weight_decay": 0.0}]
+    seen = {"decay": decay, "no_decay": nodecay, "decay_numel": sum(param_dict[n].numel() for n in decay),
+            "count": sum(p.numel() for p in model.parameters())}
+    return groups, seen
+
+
+def _nanogpt_sharded(lr):
+    torch.manual_seed(0)
+    model = TinyGPT(2)
+    before = _nanogpt_groups(model, 0.5)[1]
+    for b in model.blocks:
+        zerokern.shard(b, stage=3)
+    zerokern.shard(model, stage=3)
+    groups, after = _nanogpt_groups(model, 0.5)
+    return model, zerokern.ZeroOptimizer(groups, torch.optim.AdamW, lr=lr), before, after
+
+
+def _step(model, opt, idx):
+    opt.zero_grad()
+    _loss(model, idx).backward()
+    opt.step()
+
+
+def nanogpt_decay_groups(rank, world, steps=3):
+    """nanoGPT's decay groups picked by p.dim() after shard(stage=3), ZeroOptimizer(AdamW), against
+    torch.optim.AdamW with the same groups on one process over the full batch; then a state dict
+    round trip (model and optimizer) into a model sharded anew."""
+    lr = 1e-2
+    torch.manual_seed(0)
+    ref = TinyGPT(2)
+    ref_groups, ref_seen = _nanogpt_groups(ref, 0.5)
+    ref_opt = torch.optim.AdamW(ref_groups, lr=lr)
+    model, opt, before, after = _nanogpt_sharded(lr)
+    out = {"ref": ref_seen, "before": before, "after": after, "wd": [g["weight_decay"] for g in opt.param_groups]}
+    out["shapes"] = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    out["ref_shapes"] = {n: tuple(p.shape) for n, p in ref.named_parameters()}
+    out["held"] = sorted({tuple(held_shape(p)) for p in model.parameters()})
+    for step in range(steps):
+        idx = _data(step, world)
+        _step(model, opt, idx[rank * BATCH:(rank + 1) * BATCH])
+        ref_opt.zero_grad()
+        _loss(ref, idx).backward()
+        ref_opt.step()
+    full = zerokern.full_state_dict(model, rank0_only=False)
+    out["diff"] = max((full[n] - p).abs().max().item() for n, p in ref.named_parameters())
+    out["shapes_after"] = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    # round trip: this rank's model and optimizer state dicts into a model sharded anew, one more step each
+    sd_model, sd_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    idx = _data(steps, world)[rank * BATCH:(rank + 1) * BATCH]
+    _step(model, opt, idx)
+    model2, opt2, _, _ = _nanogpt_sharded(lr)
+    out["load"] = str(model2.load_state_dict(sd_model))
+    opt2.load_state_dict(sd_opt)
+    _step(model2, opt2, idx)
+    a, b = zerokern.full_state_dict(model, rank0_only=False), zerokern.full_state_dict(model2, rank0_only=False)
+    out["resumed_equal"] = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return out

@@ -10,6 +10,7 @@ import zerokern
 from numerics import abs_diff
 from param_gather_workers import BATCH, V, TinyGPT, _data
 from zerokern.zero.core.states import ParamState
+from zerokern.zero.params.empty import held_shape
 
 
 class CkptGPT(TinyGPT):
@@ -114,7 +115,10 @@ def train(rank, world, dtype="float32", ckpt=None, reshard_after_forward=True, a
             if k + 1 < len(block_units) and k + 1 not in model.skip:
                 out["next_ready"].append(block_units[k + 1].state is not ParamState.SHARDED)
         b.ln.register_forward_pre_hook(look)  # runs after the unit's own hook (registered on the block)
+    # [Note: shapes between gathers]: the full shapes to Python, an empty tensor held
     out["param_shapes_between"] = sorted({tuple(p.shape) for p in model.parameters()})
+    out["held_shapes_between"] = sorted({tuple(held_shape(p)) for p in model.parameters()})
+    out["ref_shapes"] = sorted({tuple(p.shape) for p in ref.parameters()})
     for step in range(steps):
         idx = _data(step, world)
         mine = idx[rank * BATCH:(rank + 1) * BATCH]
@@ -189,7 +193,8 @@ def errors(rank, world):
         out["replaced data"] = None
     except RuntimeError as e:
         out["replaced data"] = str(e)
-    out["empty_between"] = model.blocks[0].fc2.weight.shape == (0,)
+    w = model.blocks[0].fc2.weight  # empty between gathers, its full shape to Python ([Note: shapes between gathers])
+    out["empty_between"] = held_shape(w) == (0,) and w.shape == (16, 32)
     return out
 
 

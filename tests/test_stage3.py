@@ -39,7 +39,8 @@ def test_same_numbers_as_stage2_and_adamw(case):
         assert all(r["after_backward"]) and all(r["after_step"]) and r["after_eval"], r
         assert r["eval_equal"]
         assert r["gather_machines"] == {2: [("BucketParams", False)], 3: [("BucketParams", True)]}, r
-        assert r["param_shapes_between"] == [(0,)], r["param_shapes_between"]
+        assert r["held_shapes_between"] == [(0,)], r["held_shapes_between"]
+        assert r["param_shapes_between"] == r["ref_shapes"], "p.shape between steps is the full shape"
         # between steps a rank holds its slices only: 1/world of the params (plus bucket padding)
         held = max(r["nbytes_between"])
         assert held <= r["nbytes_full"] / world * 1.1 + 1024, (held, r["nbytes_full"])

@@ -44,10 +44,14 @@ def test_params_read_outside_a_forward_name_zerokern_the_param_and_the_fix():
     """Before: torch's "mat1 and mat2 shapes cannot be multiplied (4x8 and 0)" and "PowBackward0
     returned an invalid gradient ... got [0]" (after the L2 forward had silently added 0)."""
     for r in dist_harness.values(dist_harness.run(W.params_read_outside_forward, 2, timeout=120)):
-        for what, param in (("hidden", "body.weight"), ("head weight", "head.weight"), ("l2", "body.weight")):
+        for what, param in (("hidden", "body.weight"), ("head weight", "head.weight"), ("head mT", "head.weight"),
+                            ("l2", "body.weight")):
             assert r[what] and r[what].startswith(f"zerokern: {param} was used"), (what, r[what])
             assert "call the module" in r[what] and "full_state_dict" in r[what], r[what]
-        assert r["shapes"] == [(0,)] * 4 and r["keys"] == ["body.bias", "body.weight", "head.bias", "head.weight"]
+        # the full shapes to Python ([Note: shapes between gathers]), an empty tensor held
+        assert r["shapes"] == [(16, 8), (16,), (4, 16), (4,)] and r["held"] == [(0,)] * 4, r
+        assert r["keys"] == ["body.bias", "body.weight", "head.bias", "head.weight"]
+        assert "head.weight sharded by zerokern" in r["repr"] and "shape=[4, 16]" in r["repr"], r["repr"]
         assert r["trained"]
 
 
@@ -77,3 +81,27 @@ def test_a_compiled_training_step_at_stage3_trains_as_eager():
         assert r["keys"] == 10, r
         assert r["max_diff"] < 1e-6, r  # the same ops in the same order: eager backend, same kernels
         assert r["losses"] == pytest.approx(r["eager_losses"], abs=1e-6), r
+
+def test_a_forward_reading_a_sharded_param_shape_compiles_and_gives_eager_losses():
+    """Before: the forward (head.weight's shape read before the head's unit gathers) divided by
+    the empty tensor's numel() 0; eager and compiled now read the full shape, as one process does.
+    The compiled run also needs the runtime's unit list kept out of dynamo's tracing: pruning the
+    dropped eager model's units there stored the units themselves in the weak list ("'UnitParams'
+    object is not callable" in backward)."""
+    for r in dist_harness.values(dist_harness.run(W.compiled_reads_shapes, 2, timeout=300)):
+        assert r[True] == r[False], r
+        assert r[False][0] == pytest.approx(r["ref"][0], rel=1e-6), r  # the first step: the same weights
+
+
+def test_nanogpt_decay_groups_by_dim_match_adamw():
+    """nanoGPT's configure_optimizers after shard(stage=3): decay groups by p.dim() >= 2 and the
+    param count it prints are those of the unsharded model, so ZeroOptimizer(AdamW) with two
+    groups trains as one-process AdamW. Before: every param had dim() 1 and numel() 0 between
+    gathers, so no matrix decayed, the count was 0 and the weights drifted from AdamW's."""
+    for r in dist_harness.values(dist_harness.run(W.nanogpt_decay_groups, 2, timeout=300)):
+        assert r["after"] == r["before"] == r["ref"], r
+        assert r["after"]["count"] > r["after"]["decay_numel"] > 0, r["after"]
+        assert r["shapes"] == r["ref_shapes"] == r["shapes_after"] and r["held"] == [(0,)], r
+        assert r["wd"] == [0.5, 0.0], r["wd"]
+        assert r["diff"] < 1e-5, r["diff"]  # fp32: the ranks' grads are averaged in another order
+        assert r["load"] == "<All keys matched successfully>" and r["resumed_equal"], r

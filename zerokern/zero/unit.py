@@ -102,7 +102,7 @@ class FlatParams:
         p = m.param
         if grad is not None:
             m.check_moved(self.dtype, self.device)  # before torch refuses a grad of the old dtype with its own message
-        if grad is not None and p.shape != grad.shape:
+        if grad is not None and empty_param.held_shape(p) != grad.shape:  # [Note: shapes between gathers]
             held = p.data
             p.data = held.new_zeros(()).expand(m.shape)  # 0-d: expands to any shape, () too
             p.grad = grad

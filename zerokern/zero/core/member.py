@@ -22,7 +22,7 @@ class Member:
         self.t: Optional[int] = None  # among the trainable params of the optimizer that owns its unit
         self.local_name = name  # relative to the unit's module
         self.name = name  # from the root once the unit is named (ShardUnit.name_from)
-        self.shape = param.shape  # at stage 3 param.shape is [0] while the unit is sharded
+        self.shape = param.shape  # at stage 3 the data is empty while the unit is sharded (p.shape reads this)
         self.bound: Optional[torch.Tensor] = None  # the .grad the runtime set last
         self.ptr = param.data_ptr()
         self.version = param._version

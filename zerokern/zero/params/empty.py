@@ -9,7 +9,8 @@ unit is sharded each param's class is swapped for a subclass of its own whose __
 lets through what reads no values (shape and dtype queries, .data and .grad, detach, to() and
 the rest of what Module._apply, state_dict() and copying do) and raises for anything else. The
 swap is two attribute writes per param per gather; a gathered param is its own class again, so a
-forward pays nothing.
+forward pays nothing. The subclass also answers shape queries with the param's full shape
+([Note: shapes between gathers] below).
 """
 
 import weakref
@@ -36,7 +37,7 @@ _ALLOWED = {
 # metadata ones (shape, grad, data), so these are told apart by the property's name.
 _VALUE_PROPERTIES = {"T", "mT", "H", "mH", "real", "imag"}
 
-_WHERE = WeakIdKeyDictionary()  # param -> (weakref to its FlatParams, its index there)
+_WHERE = WeakIdKeyDictionary()  # param -> (weakref to its FlatParams, its index there, its full shape)
 _CLASSES = {}  # a param class -> its sharded subclass
 _SHARDED = set()  # those subclasses
 _passing = [0]  # > 0: everything goes through (a root's init at shard(), checked there afterwards)
@@ -54,7 +55,7 @@ def let_through():
 
 
 def _refuse(func, param, op=None):
-    flat_ref, i = _WHERE.get(param, (lambda: None, 0))
+    flat_ref, i, _ = _WHERE.get(param, (lambda: None, 0, None))
     flat = flat_ref()
     name = flat.members[i].name if flat is not None else "a stage-3 param"
     op = op or getattr(func, "__name__", str(func))
@@ -68,6 +69,61 @@ def _refuse(func, param, op=None):
         "values (each rank keeps its slice). Use it inside a forward: call the module (model.head(x), not "
         "x @ model.head.weight.t()), add a penalty over params in their unit's forward (or use weight_decay), and "
         "read weights between steps with zerokern.full_state_dict(model)")
+
+
+def held_shape(param: torch.Tensor) -> torch.Size:
+    """The shape of the tensor param holds now ([0] between gathers), whatever param.shape says."""
+    if type(param) not in _SHARDED:
+        return param.shape
+    with torch._C.DisableTorchFunctionSubclass():
+        return torch.Tensor.shape.__get__(param)
+
+
+@torch._dynamo.disable  # compiled code reads it outside the graph, so it gets what eager code gets
+def _full_shape(param) -> torch.Size:
+    where = _WHERE.get(param)
+    # torch.compile's own reads of the tensor (its fake copy, its guards) must see the held one
+    if where is None or torch.compiler.is_compiling():  # None: a copy (deepcopy) of a sharded param
+        return held_shape(param)
+    return where[2]
+
+
+def _size(self, dim=None):
+    shape = _full_shape(self)
+    return shape if dim is None else shape[dim]
+
+
+def _dim(self):
+    return len(_full_shape(self))
+
+
+def _numel(self):
+    return _full_shape(self).numel()
+
+
+def _nbytes(self):
+    return _numel(self) * self.element_size()
+
+
+def _repr(self):
+    flat_ref, i, _ = _WHERE.get(self, (lambda: None, 0, None))
+    flat = flat_ref()
+    name = flat.members[i].name if flat is not None else "a stage-3 param"
+    return (f"{type(self).__mro__[1].__name__}({name} sharded by zerokern: its values live inside its unit's forward "
+            f"and backward, shape={list(_full_shape(self))}, dtype={self.dtype}, device={self.device}, "
+            f"requires_grad={self.requires_grad})")
+
+
+# [Note: shapes between gathers] A sharded param reports its full shape to Python (p.shape,
+# p.size(), p.dim(), p.ndim, p.numel(), len(p), p.nbytes), as FSDP2's DTensor params do: a script that
+# counts params or picks decay groups by p.dim() >= 2 after shard() gets what it got before.
+# The C++ tensor stays empty, so torch's own checks (a grad assigned, an op run) see [0]; code
+# that needs that shape asks held_shape(p). Only the sharded class has these methods: a gathered
+# param is its own class, its shape its data's.
+_FULL_SHAPE_METHODS = {
+    "shape": property(_full_shape), "ndim": property(_dim), "size": _size, "dim": _dim, "ndimension": _dim,
+    "numel": _numel, "nelement": _numel, "nbytes": property(_nbytes), "__repr__": _repr,
+}
 
 
 def _sharded_class(cls):
@@ -92,6 +148,7 @@ def _sharded_class(cls):
         # guard below and recursed
         sub = _CLASSES[cls] = type(f"Sharded{cls.__name__}", (cls,), {
             "__torch_function__": classmethod(torch._dynamo.disable(__torch_function__)),
+            **_FULL_SHAPE_METHODS,
             "__doc__": "A stage-3 param between gathers ([Note: reads between gathers] in zero/params/empty.py)."})
         _SHARDED.add(sub)
     return sub
@@ -101,7 +158,7 @@ def mark_empty(param: torch.Tensor, flat, i: int) -> None:
     """param now holds its empty placeholder: computing with it raises, naming flat.members[i].name."""
     if isinstance(param, torch.nn.Parameter) and type(param) not in _SHARDED:
         if param not in _WHERE:  # a param stays at its place in its FlatParams
-            _WHERE[param] = (weakref.ref(flat), i)
+            _WHERE[param] = (weakref.ref(flat), i, flat.members[i].shape)
         param.__class__ = _sharded_class(type(param))
 
 

@@ -288,6 +288,7 @@ class Stage3Runtime:
         self.peak_bytes = 0  # their peak since reset_peak(): the gathered working set
 
     @property
+    @torch._dynamo.disable  # run eagerly: dynamo, tracing a hook, put the units themselves back into the weak list
     def units(self) -> List[UnitParams]:
         live = [r() for r in self._units]
         if any(up is None for up in live):

@@ -15,7 +15,9 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import netbed  # noqa: E402
 
 WHY = netbed.unavailable()
-pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no multi-host test bed here: {WHY}")
+# slow: five 4-rank jobs (three across the namespaced hosts, one killed and restarted), each rank a new
+# interpreter, ~50 s on an idle 2-core machine; real multi-node launches cannot be made cheaper.
+pytestmark = [pytest.mark.skipif(WHY is not None, reason=f"no multi-host test bed here: {WHY}"), pytest.mark.slow]
 
 SCRIPT = [os.path.join(ROOT, "examples", "train_gpt.py"), "--steps", "4", "--batch", "8", "--ctx", "16", "--vocab",
           "32", "--d-model", "32", "--heads", "2", "--layers", "1", "--log-every", "100"]

@@ -4,6 +4,9 @@ must continue as the uninterrupted one: bit for bit at the same world size, with
 reduction-order noise at another (bf16 params: their fp32 masters travel in the checkpoint,
 so no bf16 rounding enters)."""
 
+import copy
+import shutil
+
 import pytest
 import torch
 
@@ -12,12 +15,29 @@ import dist_harness
 from numerics import abs_diff
 
 
+@pytest.fixture(scope="module")
+def save_runs(tmp_path_factory):
+    """The save runs of test_dcp_resume_at_any_world_size, by (world, dtype): each run once (two
+    tests resume each 2-rank checkpoint, at 2 ranks and at 1)."""
+    runs = {}
+
+    def save(world, dtype):
+        if (world, dtype) not in runs:
+            path = str(tmp_path_factory.mktemp(f"save{world}") / "ck")
+            saved = dist_harness.values(dist_harness.run(W.save, world, path, dtype, "helpers", timeout=180))
+            assert all(s["unchanged"] for s in saved), "get_optimizer_state_dict changed the optimizer"
+            runs[world, dtype] = path, saved
+        return runs[world, dtype]
+    return save
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("save_world,load_world", [(2, 2), (2, 1), (1, 2), (4, 2)])
-def test_dcp_resume_at_any_world_size(tmp_path, dtype, save_world, load_world):
+def test_dcp_resume_at_any_world_size(save_runs, tmp_path, dtype, save_world, load_world):
+    shared, saved = save_runs(save_world, dtype)
     path = str(tmp_path / "ck")
-    saved = dist_harness.values(dist_harness.run(W.save, save_world, path, dtype, "helpers", timeout=180))
-    assert all(s["unchanged"] for s in saved), "get_optimizer_state_dict changed the optimizer"
+    shutil.copytree(shared, path)  # this test's own copy: no test reads what another one changed
+    saved = copy.deepcopy(saved)
     resumed = dist_harness.values(dist_harness.run(W.resume, load_world, path, dtype, "helpers", timeout=180))
     _same_full_state(resumed[0]["full"], saved[0]["full"])
     for rank, r in enumerate(resumed):

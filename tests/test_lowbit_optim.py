@@ -1,6 +1,9 @@
 """FusedZeroAdam with state_precision="bf16"/"int8" and master_weights=False: the same bits at every
 world size and stage, parity with the one-process run, the bytes held, and what is refused."""
 
+import copy
+import shutil
+
 import pytest
 import torch
 
@@ -116,15 +119,33 @@ def _same_full(a, b):
             assert st[key].dtype == torch.float32 and torch.equal(st[key], b["state"][k][key]), (k, key)
 
 
+@pytest.fixture(scope="module")
+def save_runs(tmp_path_factory):
+    """The save runs of test_dcp_resumes_at_another_world_size, by (stage, world, precision): each
+    run once (the stage-2 int8 checkpoint is resumed at 1 rank and at 4)."""
+    runs = {}
+
+    def save(stage, world, precision):
+        if (stage, world, precision) not in runs:
+            path = str(tmp_path_factory.mktemp(f"save{stage}-{world}-{precision}") / "ck")
+            args = (path, stage, precision, False, "bfloat16")
+            runs[stage, world, precision] = path, dist_harness.values(dist_harness.run(W.ckpt_save, world, *args,
+                                                                                       timeout=240))
+        return runs[stage, world, precision]
+    return save
+
+
 @pytest.mark.parametrize("stage,save_world,load_world,precision", [(2, 2, 1, "int8"), (2, 2, 4, "int8"),
                                                                    (3, 2, 4, "int8"), (2, 2, 1, "bf16")])
-def test_dcp_resumes_at_another_world_size(tmp_path, stage, save_world, load_world, precision):
+def test_dcp_resumes_at_another_world_size(save_runs, tmp_path, stage, save_world, load_world, precision):
     """Codes, block scales and bf16 moments saved by 2 ranks with torch.distributed.checkpoint load
     at 1 or 4 ranks and go on exactly as the run that was never stopped (the grads average exactly:
     lowbit_workers.Nice); full_state_dict() is torch AdamW's fp32 format, the same before and after."""
+    shared, saved = save_runs(stage, save_world, precision)
     path = str(tmp_path / "ck")
+    shutil.copytree(shared, path)  # this test's own copy: no test reads what another one changed
+    saved = copy.deepcopy(saved)
     args = (path, stage, precision, False, "bfloat16")
-    saved = dist_harness.values(dist_harness.run(W.ckpt_save, save_world, *args, timeout=240))
     resumed = dist_harness.values(dist_harness.run(W.ckpt_resume, load_world, *args, timeout=240))
     _same_full(resumed[0]["full"], saved[0]["full"])
     for rank, r in enumerate(resumed):

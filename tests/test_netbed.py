@@ -15,62 +15,80 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import netbed  # noqa: E402
 
 WHY = netbed.unavailable()
-pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no multi-host test bed here: {WHY}")
+# slow: five 4-rank jobs (three across the namespaced hosts, one killed and restarted), each rank a new
+# interpreter, ~50 s on an idle 2-core machine; real multi-node launches cannot be made cheaper.
+pytestmark = [pytest.mark.skipif(WHY is not None, reason=f"no multi-host test bed here: {WHY}"), pytest.mark.slow]
 
 SCRIPT = [os.path.join(ROOT, "examples", "train_gpt.py"), "--steps", "4", "--batch", "8", "--ctx", "16", "--vocab",
           "32", "--d-model", "32", "--heads", "2", "--layers", "1", "--log-every", "100"]
 
 
-@pytest.mark.parametrize("variant", [[], ["--zero-stage", "3", "--mesh", "2,2"]], ids=["flat-zero2", "hybrid-zero3"])
-def test_two_hosts_train_as_loopback(tmp_path, variant):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    script = SCRIPT + variant
+HYBRID = ["--zero-stage", "3", "--mesh", "2,2"]
+# The hybrid ZeRO-3 job, 6 steps with a DCP checkpoint every 2 and restartable: the loopback
+# test's hybrid case and the uninterrupted job the kill test resumes onto (one launch for both).
+WHOLE = SCRIPT[:2] + ["6"] + SCRIPT[3:] + HYBRID + ["--ckpt-every", "2"]
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+RESTARTABLE = dict(ENV, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+
+
+def _logged(script, tmp_path, name):
+    """`script` writing its losses to <name>.json (and, where it checkpoints, to a directory <name>)."""
+    ckpt = ["--ckpt-dir", str(tmp_path / name)] if "--ckpt-every" in script else []
+    return script + ckpt + ["--log-json", str(tmp_path / f"{name}.json")]
+
+
+def _on_two_hosts(tmp_path, name, script, restarts=0, timeout=180):
+    """`script` as a 2-host job (2 ranks a host) on a new bed: (rank 0's --log-json, both hosts'
+    output, the bytes each host sent over its link). Fails if a host's torchrun fails."""
+    env = RESTARTABLE if restarts else ENV
+    script = _logged(script, tmp_path, name)
     with netbed.NetBed(hosts=2, rate="1gbit") as bed:
         before = [bed.tx_bytes(h) for h in range(2)]
-        procs = [bed.popen(h, bed.torchrun(h, 2, script + ["--log-json", str(tmp_path / f"host{h}.json")]), env=env,
+        procs = [bed.popen(h, bed.torchrun(h, 2, script, job=name, restarts=restarts), env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for h in range(2)]
         try:
-            outs = [p.communicate(timeout=180)[0] for p in procs]
+            outs = [p.communicate(timeout=timeout)[0] for p in procs]
         finally:
             for p in procs:
                 p.kill()
         sent = [bed.tx_bytes(h) - before[h] for h in range(2)]
-    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
-    hosts = json.loads((tmp_path / "host0.json").read_text())
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-4000:] for o in outs)
+    return json.loads((tmp_path / f"{name}.json").read_text()), "".join(outs), sent
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    """The WHOLE job on two hosts."""
+    return _on_two_hosts(tmp_path_factory.mktemp("whole"), "whole", WHOLE, restarts=1, timeout=300)
+
+
+@pytest.mark.parametrize("variant", ["flat-zero2", "hybrid-zero3"])
+def test_two_hosts_train_as_loopback(tmp_path, variant, request):
+    if variant == "flat-zero2":
+        script = SCRIPT
+        hosts, _, sent = _on_two_hosts(tmp_path, "flat", script)
+    else:
+        script = WHOLE
+        hosts, _, sent = request.getfixturevalue("whole")
     assert hosts["world"] == 4
-    loop = tmp_path / "loopback.json"
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-                           *script, "--log-json", str(loop)], env=env, capture_output=True, text=True, timeout=180)
+                           *_logged(script, tmp_path, "loopback")], env=ENV, capture_output=True, text=True,
+                          timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert hosts["losses"] == json.loads(loop.read_text())["losses"]
+    assert hosts["losses"] == json.loads((tmp_path / "loopback.json").read_text())["losses"]
     # every step's gradients cross: far more than the rendezvous alone (a few KB)
     assert min(sent) > 100_000, sent
-    if variant:  # hybrid: zerokern's own count of what crossed is what the links carried, at most
+    if variant == "hybrid-zero3":  # zerokern's own count of what crossed is what the links carried, at most
         counted = hosts["counted_inter_host_bytes"]
         assert 0 < counted <= sum(sent), (counted, sent)
 
 
-def test_rank_killed_on_one_host_both_hosts_resume(tmp_path):
+def test_rank_killed_on_one_host_both_hosts_resume(tmp_path, whole):
     """A rank killed on host 1 mid-step: the survivors on both hosts raise, both hosts' torchrun
     agents restart their workers from the last DCP checkpoint (shared by the hosts), and the
-    resumed job ends on the uninterrupted job's losses."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    base = SCRIPT[:2] + ["6"] + SCRIPT[3:] + ["--zero-stage", "3", "--mesh", "2,2", "--ckpt-every", "2"]
-    logs = {}
-    with netbed.NetBed(hosts=2, rate="1gbit") as bed:
-        for name, extra in (("whole", []), ("killed", ["--kill-at-step", "3"])):
-            script = base + ["--ckpt-dir", str(tmp_path / name), "--log-json", str(tmp_path / f"{name}.json"), *extra]
-            procs = [bed.popen(h, bed.torchrun(h, 2, script, job=name, restarts=1), env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True) for h in range(2)]
-            try:
-                outs = [p.communicate(timeout=300)[0] for p in procs]
-            finally:
-                for p in procs:
-                    p.kill()
-            assert all(p.returncode == 0 for p in procs), "\n".join(o[-4000:] for o in outs)
-            logs[name] = (json.loads((tmp_path / f"{name}.json").read_text()), "".join(outs))
-    log, out = logs["killed"]
+    resumed job ends on the uninterrupted job's losses (the WHOLE job's)."""
+    log, out, _ = _on_two_hosts(tmp_path, "killed", WHOLE + ["--kill-at-step", "3"], restarts=1, timeout=300)
     assert "killed at step 3" in out and "another rank is gone" in out, out[-6000:]
     assert "continuing at step 2" in out, out[-6000:]  # the checkpoint after step 1
     assert log["first_step"] == 2
-    assert log["losses"] == logs["whole"][0]["losses"][2:], (log["losses"], logs["whole"][0]["losses"])
+    assert log["losses"] == whole[0]["losses"][2:], (log["losses"], whole[0]["losses"])

@@ -6,7 +6,9 @@ fp32 reduction-order noise at another (bf16: one bf16 ulp, the half- vs whole-ba
 differently), and within fp32 noise of torch.optim.AdamW on one process over the whole batch.
 Multi-rank runs have a timeout: a hang fails."""
 
+import copy
 import math
+import shutil
 
 import pytest
 import torch
@@ -22,21 +24,41 @@ def _max_diff(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def _save(tmp_path, world, dtype="float32", via="own"):
-    path = str(tmp_path)
-    saved = dist_harness.values(dist_harness.run(W.save, world, path, dtype, via, timeout=300))
-    assert all(s["unchanged"] for s in saved), "taking the state dicts changed the model"
-    assert saved[0]["shapes_between"] == [(0,)], "a stage-3 param held values between steps"
-    return path, saved[0]
+@pytest.fixture(scope="module")
+def save_runs(tmp_path_factory):
+    """The save runs of this module, by (world, dtype, via): each run once (several tests resume
+    the same checkpoint, at different world sizes or by other means)."""
+    runs = {}
+
+    def save(world, dtype, via):
+        if (world, dtype, via) not in runs:
+            path = str(tmp_path_factory.mktemp(f"save{world}-{dtype}-{via}"))
+            saved = dist_harness.values(dist_harness.run(W.save, world, path, dtype, via, timeout=300))
+            assert all(s["unchanged"] for s in saved), "taking the state dicts changed the model"
+            assert saved[0]["shapes_between"] == [(0,)], "a stage-3 param held values between steps"
+            runs[world, dtype, via] = path, saved[0]
+        return runs[world, dtype, via]
+    return save
+
+
+@pytest.fixture
+def save(save_runs, tmp_path):
+    """save(world, dtype, via) -> (a copy of that save's directory, owned by this test; what rank 0
+    returned), so no test reads what another one changed."""
+    def copied(world, dtype="float32", via="own"):
+        path, saved = save_runs(world, dtype, via)
+        shutil.copytree(path, tmp_path, dirs_exist_ok=True)
+        return str(tmp_path), copy.deepcopy(saved)
+    return copied
 
 
 @pytest.mark.parametrize("via", ["own", "helpers", "full"])
 @pytest.mark.parametrize("save_world,load_world", [(4, 2), (2, 2), (2, 1)])
-def test_resume_at_any_world_size(tmp_path, via, save_world, load_world):
+def test_resume_at_any_world_size(save, via, save_world, load_world):
     """own: dcp.save/load of model.state_dict() and opt.state_dict(); helpers: torch's
     get/set_model_state_dict and get/set_optimizer_state_dict; full: zerokern.full_state_dict and
     opt.full_state_dict through torch.save, loaded (mmap) into the fresh sharded model."""
-    path, saved = _save(tmp_path, save_world, via="helpers" if via == "helpers" else "own")
+    path, saved = save(save_world, via="helpers" if via == "helpers" else "own")
     resumed = dist_harness.values(dist_harness.run(W.resume, load_world, path, "float32", via, timeout=300))
     ref = W.reference()
     for rank, r in enumerate(resumed):
@@ -48,10 +70,10 @@ def test_resume_at_any_world_size(tmp_path, via, save_world, load_world):
 
 
 @pytest.mark.parametrize("save_world,load_world", [(2, 2), (2, 4)])
-def test_bf16_resume_keeps_the_fp32_masters(tmp_path, save_world, load_world):
+def test_bf16_resume_keeps_the_fp32_masters(save, save_world, load_world):
     """The bf16 weights and their fp32 masters load in either order without the masters being
     re-read from the bf16 weights: the same world size resumes bit for bit."""
-    path, saved = _save(tmp_path, save_world, "bfloat16", "helpers")
+    path, saved = save(save_world, "bfloat16", "helpers")
     resumed = dist_harness.values(dist_harness.run(W.resume, load_world, path, "bfloat16", "helpers", timeout=300))
     for rank, r in enumerate(resumed):
         assert _max_diff(r["loaded"], saved["at_save"]) == 0, rank
@@ -59,10 +81,10 @@ def test_bf16_resume_keeps_the_fp32_masters(tmp_path, save_world, load_world):
         assert diff == 0 if save_world == load_world else diff <= 2.0 ** -8, (rank, diff)
 
 
-def test_checkpoints_load_without_zerokern(tmp_path):
+def test_checkpoints_load_without_zerokern(save):
     """The consolidated file loads into the plain model and torch.optim.AdamW, which train on as
     the sharded run did; the DCP checkpoint's model loads into the plain model too."""
-    path, saved = _save(tmp_path, 4)
+    path, saved = save(4)
     assert _max_diff(W.resume_unsharded_torch(path), saved["final"]) < 1e-5
     assert _max_diff(W.dcp_into_plain_model(path), saved["at_save"]) == 0
 

@@ -28,6 +28,8 @@ def main():
     ap.add_argument("--resume", default=None, help="DCP checkpoint directory to start from (step 5)")
     ap.add_argument("--ckpt", choices=["dcp", "accelerate"], default="dcp",
                     help="torch.distributed.checkpoint, or accelerator.save_state/load_state")
+    ap.add_argument("--save-acc", default=None,
+                    help="with --save: also accelerator.save_state here after step 5 (saving reads only)")
     ap.add_argument("--zero-stage", type=int, default=2, help="3: each Linear, then the root, sharded first")
     args = ap.parse_args()
     # The reference run (no zerokern optimizer) needs this too: without it a gloo worker thread can
@@ -122,6 +124,8 @@ def main():
             if args.save and step == 5 and args.ckpt == "accelerate":
                 accelerator.save_state(args.save)
             elif args.save and step == 5:
+                if args.save_acc:
+                    accelerator.save_state(args.save_acc)
                 dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, inner)},
                          checkpoint_id=args.save)
                 if accelerator.is_main_process:

@@ -8,8 +8,8 @@ import pytest
 import dist_harness
 import ds_workers as D
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                reason="DeepSpeed is an optional extra: pip install -e .[deepspeed]")
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                reason="DeepSpeed is an optional extra: pip install -e .[deepspeed]"), pytest.mark.slow]  # an end-to-end job (pyproject: slow)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])

@@ -9,6 +9,8 @@ import torch
 from launch import max_diff as _max_diff
 from launch import run_script
 
+pytestmark = pytest.mark.slow  # end-to-end jobs launched through torchrun/accelerate (pyproject: slow)
+
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 

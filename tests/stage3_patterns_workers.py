@@ -211,11 +211,16 @@ def params_read_outside_forward(rank, world):
 def compiled_matches_eager(rank, world):
     """torch.compile over a stage-3 model: dynamo traces the units' hooks and inspects the params
     while they are sharded (their swapped class, [Note: reads between gathers])."""
+    return _losses_eager_and_compiled(_mlp, rank)
+
+
+def _losses_eager_and_compiled(make, rank, **compile_kwargs):
+    """{False: eager losses, True: compiled losses} of 3 training steps of make() at stage 3."""
     losses = {}
     for compiled in (False, True):
-        model = _shard3(_mlp())
+        model = _shard3(make())
         opt = FusedZeroAdam(model.parameters(), lr=1e-2)
-        run = torch.compile(model) if compiled else model
+        run = torch.compile(model, **compile_kwargs) if compiled else model
         gen = torch.Generator().manual_seed(1 + rank)
         losses[compiled] = []
         for _ in range(3):
@@ -239,19 +244,7 @@ def compiled_frames(rank, world, n):
     from torch._dynamo.testing import CompileCounter
     torch._dynamo.reset()
     counter = CompileCounter()
-    losses = {}
-    for compiled in (False, True):
-        model = _shard3(_blocks(n))
-        opt = FusedZeroAdam(model.parameters(), lr=1e-2)
-        run = torch.compile(model, backend=counter) if compiled else model
-        gen = torch.Generator().manual_seed(1 + rank)
-        losses[compiled] = []
-        for _ in range(3):
-            loss = run(torch.randn(4, 8, generator=gen)).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses[compiled].append(loss.item())
+    losses = _losses_eager_and_compiled(lambda: _blocks(n), rank, backend=counter)
     return {"frames": counter.frame_count, "losses": losses}
 
 

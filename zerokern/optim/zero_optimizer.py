@@ -80,9 +80,10 @@ class ZeroOptimizer(EngineOptimizer):
         # every rank's state dict has every param, as torch's checkpoint helpers want, and the ranks
         # agree on those scalars.
         self._where = [None] * len(trainable)
+        self._at = [None] * len(trainable)  # its position among its store's pieces (engine.param_of)
         for s, pieces in enumerate(self.engine.pieces):
-            for t, off, n, start in pieces:
-                self._where[t] = (s, off, n, start)
+            for k, (t, off, n, start) in enumerate(pieces):
+                self._where[t], self._at[t] = (s, off, n, start), k
         stores = self.engine.stores
         self._piece = {t: stores[w[0]].master[w[1]:w[1] + w[2]]  # a leaf view: the inner optimizer's param
                        for t, w in enumerate(self._where)}
@@ -163,9 +164,7 @@ class ZeroOptimizer(EngineOptimizer):
 
     def _member(self, t):
         """(param, name, full shape) of trainable param t (at stage 3 p.shape is empty between gathers)."""
-        s = self._where[t][0]
-        k = next(k for k, pc in enumerate(self.engine.pieces[s]) if pc[0] == t)
-        return self.engine.param_of(self.engine.stores[s], k)
+        return self.engine.param_of(self.engine.stores[self._where[t][0]], self._at[t])
 
     def _shape(self, t):
         return self._member(t)[2]

@@ -54,10 +54,14 @@ def let_through():
         _passing[0] -= 1
 
 
-def _refuse(func, param, op=None):
+def _name(param) -> str:
     flat_ref, i, _ = _WHERE.get(param, (lambda: None, 0, None))
     flat = flat_ref()
-    name = flat.members[i].name if flat is not None else "a stage-3 param"
+    return flat.members[i].name if flat is not None else "a stage-3 param"
+
+
+def _refuse(func, param, op=None):
+    name = _name(param)
     op = op or getattr(func, "__name__", str(func))
     if op.endswith("_") and not op.startswith("_"):  # in place: clamp_, copy_, an nn.init call
         return RuntimeError(
@@ -106,10 +110,7 @@ def _nbytes(self):
 
 
 def _repr(self):
-    flat_ref, i, _ = _WHERE.get(self, (lambda: None, 0, None))
-    flat = flat_ref()
-    name = flat.members[i].name if flat is not None else "a stage-3 param"
-    return (f"{type(self).__mro__[1].__name__}({name} sharded by zerokern: its values live inside its unit's forward "
+    return (f"{type(self).__mro__[1].__name__}({_name(self)} sharded by zerokern: its values live inside its unit's forward "
             f"and backward, shape={list(_full_shape(self))}, dtype={self.dtype}, device={self.device}, "
             f"requires_grad={self.requires_grad})")
 

@@ -99,7 +99,9 @@ def random_accumulation(rank, world, stage, seed, steps=12, ops=None, collective
     model, ref = RandomNet(seed), RandomNet(seed)
     opt = FusedZeroAdam(model.parameters(), lr=1e-2, weight_decay=0.01, zero_stage=stage, bucket_cap_mb=cap)
     poison_pool(opt)
-    if collective is not None:  # gloo picks its fastest; NCCL's path (reduce_scatter) is tested here too
+    if collective == "across_hosts":  # [Note: collectives across hosts]: the first half of the ranks one host
+        opt.comm.place([2 * r // world for r in range(world)])
+    elif collective is not None:  # gloo picks its fastest; NCCL's path (reduce_scatter) is tested here too
         opt.comm.prefers_all_reduce = collective == "all_reduce"
         opt.comm.exchange_reduce = collective == "exchange"
     norms = []
@@ -129,7 +131,10 @@ def random_accumulation(rank, world, stage, seed, steps=12, ops=None, collective
     worst = {str(dt): 0.0 for dt in (torch.float32, torch.bfloat16)}
     for a, b in zip(model.parameters(), ref.parameters()):
         worst[str(a.dtype)] = max(worst[str(a.dtype)], abs_diff(a, b))
-    return {"worst": worst, "cap": cap, "norms_finite": all(math.isfinite(n) for n in norms)}
+    from zerokern.zero.comm import gloo
+    # relayed: whether a collective ran host by host ([Note: the relay thread]: a thread per group)
+    return {"worst": worst, "cap": cap, "norms_finite": all(math.isfinite(n) for n in norms),
+            "relayed": bool(gloo._RELAYS)}
 
 
 def placeholder_behaviour(rank, world):

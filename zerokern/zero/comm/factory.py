@@ -1,7 +1,9 @@
 """Which Comm a group gets: make_comm picks the class for the group's backend, comm_for adds the
 hybrid (mesh) case. Apart from the Comm classes so that none of them names another."""
 
-from typing import Optional
+import os
+import socket
+from typing import Optional, Tuple
 
 import torch.distributed as dist
 
@@ -14,6 +16,8 @@ from .hybrid import HybridComm, describe, resolve_mesh
 # the HybridComm of a mesh's groups, per (shard group, replica group): every shard() call and the
 # optimizer share one, so its byte count covers every unit
 _COMMS = {}
+# every rank's host (host_of) per group, agreed once: group -> hosts
+_HOSTS = {}
 
 
 def make_comm(process_group=None) -> Comm:
@@ -23,8 +27,56 @@ def make_comm(process_group=None) -> Comm:
     if not probe.distributed:
         return probe
     exit_drain.register()  # [Note: exit drain]
-    cls = GlooComm if dist.get_backend(probe.group) == "gloo" else Comm
-    return cls(probe.group, check=collective_check.for_group(probe.group))
+    check = collective_check.for_group(probe.group)
+    if dist.get_backend(probe.group) != "gloo":
+        return Comm(probe.group, check=check)
+    comm = GlooComm(probe.group, check=check)
+    if comm.world_size > 2:  # 2 ranks move the fewest bytes on one host or two ([Note: collectives across hosts])
+        comm.place(_hosts(comm))
+    return comm
+
+
+# [Note: what a host is] Ranks share a host when they have the same hostname and reach the
+# rendezvous store from the same local address (the source address the kernel picks for the
+# store's host:port; connect() on a UDP socket sends nothing). The hostname alone is not enough:
+# network namespaces share one (bench/netbed.py's hosts), yet each has its own address and link.
+# Torchrun's GROUP_RANK (the node's rank) would be right under torchrun only. Where no store
+# address is known (a file:// init) the hostname alone decides. Gathered once per group (one
+# gather_objects, announced as any collective), so every rank picks the same collectives.
+def _store_address() -> Optional[Tuple[str, int]]:
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001  a torch without it: the environment's address, if any
+        store = None
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if isinstance(store, dist.TCPStore):
+        return store.host, store.port
+    if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT", "").isdigit():
+        return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    return None
+
+
+def this_host() -> Tuple[str, Optional[str]]:
+    """What tells this rank's host from another's ([Note: what a host is])."""
+    address, where = None, _store_address()
+    if where is not None:
+        try:
+            family, _, _, _, sockaddr = socket.getaddrinfo(*where, type=socket.SOCK_DGRAM)[0]
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect(sockaddr)
+                address = s.getsockname()[0]
+        except OSError:  # no route: only the hostname tells
+            address = None
+    return socket.gethostname(), address
+
+
+def _hosts(comm):
+    """Every rank's this_host() in `comm`'s group, gathered once per group."""
+    entry = _HOSTS.get(id(comm.group))
+    if entry is None or entry[0] is not comm.group:
+        entry = _HOSTS[id(comm.group)] = (comm.group, comm.gather_objects(this_host(), name="hosts"))
+    return entry[1]
 
 
 def mesh_comm(mesh, process_group, device_type: str):

@@ -84,3 +84,16 @@ def collectives_bits(rank, world, layouts, sizes, check):
     from zerokern.zero.comm import gloo
     out["relayed"] = bool(gloo._RELAYS)  # [Note: the relay thread]: made by the first collective across hosts
     return out
+
+
+def stage3_on_two_hosts(rank, world):
+    """tests/stage3_workers.train with the first half of the ranks on one host as the factory sees
+    it ([Note: what a host is], this_host faked), so every Comm it makes agrees on 2 hosts."""
+    from zerokern.zero.comm import factory, gloo
+
+    factory.this_host = lambda: ("one-machine", f"host{2 * rank // world}")
+    import stage3_workers
+
+    out = stage3_workers.train(rank, world, steps=4)
+    out["relayed"] = bool(gloo._RELAYS)
+    return out

@@ -81,3 +81,12 @@ def test_stage2_across_hosts_trains_as_torch():
                                                   timeout=300)):
         assert r["relayed"], r
         assert r["worst"]["torch.float32"] < 5e-5 and r["worst"]["torch.bfloat16"] < 1e-2, r
+
+
+def test_stage3_across_hosts_matches_stage2_and_adamw():
+    """Stage 3 and stage 2 on 4 ranks that the factory takes for 2 hosts x 2 (this_host faked):
+    the same bits as each other (the same reductions), AdamW's numbers within stage 3's fp32 bound."""
+    for r in dist_harness.values(dist_harness.run(W.stage3_on_two_hosts, 4, timeout=300)):
+        assert r["relayed"], r
+        assert r["losses_equal"] and r["equal_to_stage2"], r["losses"]
+        assert r["max_diff_ref"] < 2e-5, r["max_diff_ref"]  # tests/test_stage3.py's fp32 bound

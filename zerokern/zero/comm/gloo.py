@@ -18,6 +18,7 @@ import queue
 import threading
 from typing import Hashable, List, Sequence, Tuple
 
+import torch
 import torch.distributed as dist
 
 from .base import Comm
@@ -78,6 +79,8 @@ class _SumOnWait:
 # thread per group runs them ([Note: the relay thread]). Which ranks share a host is agreed
 # once, when the Comm is made (comm/factory.py, [Note: what a host is]). CPU tensors only
 # (gloo's p2p); 2 ranks keep the exchange and the broadcasts, which move the fewest bytes.
+# Memory: the input is only read; a reduce-scatter receives into buffers of its own, (L - 1) / L
+# of the input with L ranks a host plus one chunk per other host, freed when it is done.
 
 
 class HostPlan:
@@ -247,14 +250,19 @@ class GlooComm(Comm):
 
         def run():
             for c in mine:
-                total = None
+                total, writable = None, False
                 for m in plan.members[host]:  # fixed order: the host's ranks in rank order
                     if m == me:
                         part = input[c * n:(c + 1) * n]
                     else:
                         recvs[(c, m)].wait()
                         part = parts[(c, m)]
-                    total = part.clone() if total is None else total.add_(part)
+                    if total is None:
+                        total, writable = part, m != me
+                    elif writable:
+                        total.add_(part)
+                    else:  # total is this rank's input (read only): into the part's buffer; a + b is b + a exactly
+                        total, writable = torch.add(total, part, out=part), True
                 if c == me:
                     sums[host] = total
                 else:

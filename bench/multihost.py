@@ -13,6 +13,9 @@ sent (rendezvous, process groups, the first broadcast of the params), divided by
 to it the planner's count (zerokern.plan, hosts=2: [Note: bytes across hosts]) and, for hybrid
 rows, zerokern's own count from the collectives' sizes (HybridComm.inter_host_bytes). Both
 counts are payload: the veth counters also carry TCP/IP headers (about 3-4% at a 1500-byte MTU).
+--tree LABEL=PATH (repeatable) runs each zerokern row once per source tree (its examples, PATH
+first on PYTHONPATH; e.g. a `git archive` of the commit before a change, zerokern/_C*.so copied
+in), interleaved with the other rows: before and after a change under the same load.
 Needs root and iproute2.
 """
 
@@ -46,16 +49,20 @@ PLANNED = {"zerokern ZeRO-2": (2, False), "zerokern ZeRO-3": (3, False), "zeroke
            "DeepSpeed ZeRO-2": (2, False), "DeepSpeed ZeRO-3 hpZ=2": (2, False)}
 
 
-def run(bed, name, model_args, steps, tmp, job):
-    """One run of a variant on the bed: (rank 0's log, bytes both hosts sent)."""
+def run(bed, name, model_args, steps, tmp, job, tree=None):
+    """One run of a variant on the bed, from source tree `tree` (None: this one): (rank 0's log,
+    bytes both hosts sent)."""
+    root = tree or ROOT
     log = os.path.join(tmp, f"{job}.json")
     if name in DEEPSPEED:
         example = ["train_gpt_deepspeed.py", "--deepspeed_config", os.path.join(ROOT, "examples", "ds_config.json")]
     else:
         example = ["train_gpt.py"]
-    script = [os.path.join(ROOT, "examples", example[0]), *example[1:], *model_args, *VARIANTS[name], "--steps",
+    script = [os.path.join(root, "examples", example[0]), *example[1:], *model_args, *VARIANTS[name], "--steps",
               str(steps), "--log-every", "1000", "--log-json", log]
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    if tree:
+        env["PYTHONPATH"] = os.pathsep.join([tree] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     before = sum(bed.tx_bytes(h) for h in range(bed.hosts))
     procs = [bed.popen(h, bed.torchrun(h, 2, script, job=job), env=env, stdout=subprocess.PIPE,
                        stderr=subprocess.STDOUT, text=True) for h in range(bed.hosts)]
@@ -76,6 +83,8 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--only", help="comma-separated row names to run (default: all)")
+    ap.add_argument("--tree", action="append", default=[], metavar="LABEL=PATH",
+                    help="run each zerokern row from this source tree too (repeatable): before/after a change")
     ap.add_argument("--json")
     ap.add_argument("--plot")
     args = ap.parse_args(argv)
@@ -89,39 +98,45 @@ def main(argv=None):
     from zerokern.plan import plan
     planned = plan(params=params, dp=4, hosts=2, dtype="fp32").stages
     names = [n for n in VARIANTS if not args.only or n in args.only.split(",")]
-    samples = {name: {"step_s": [], "bytes_per_step": [], "counted": []} for name in names}
+    trees = [t.split("=", 1) for t in args.tree]
+    if any(len(t) != 2 or not os.path.isdir(os.path.join(t[1], "zerokern")) for t in trees):
+        sys.exit(f"multihost: --tree takes LABEL=PATH, PATH a source tree with zerokern/ in it: {args.tree}")
+    # (row, variant, tree): a zerokern row once per --tree
+    rows = [(f"{n} [{label}]" if label else n, n, path) for n in names
+            for label, path in (trees if trees and n.startswith("zerokern") else [(None, None)])]
+    samples = {row: {"step_s": [], "bytes_per_step": [], "counted": []} for row, _, _ in rows}
     with netbed.NetBed(hosts=2, rate=args.rate) as bed, tempfile.TemporaryDirectory() as tmp:
         job = 0
         for _ in range(args.repeats):
-            for name in names:
+            for row, name, tree in rows:
                 job += 1
-                _, setup = run(bed, name, model_args, 0, tmp, f"zk{job}s")
-                log, sent = run(bed, name, model_args, args.steps, tmp, f"zk{job}")
-                samples[name]["step_s"] += log["step_seconds"][1:]
-                samples[name]["bytes_per_step"].append((sent - setup) / args.steps)
+                _, setup = run(bed, name, model_args, 0, tmp, f"zk{job}s", tree)
+                log, sent = run(bed, name, model_args, args.steps, tmp, f"zk{job}", tree)
+                samples[row]["step_s"] += log["step_seconds"][1:]
+                samples[row]["bytes_per_step"].append((sent - setup) / args.steps)
                 if log.get("counted_inter_host_bytes") is not None:
-                    samples[name]["counted"].append(log["counted_inter_host_bytes"] / args.steps)
-                print(f"{name:20s} run {job}: median step {statistics.median(log['step_seconds'][1:]):.3f} s, "
+                    samples[row]["counted"].append(log["counted_inter_host_bytes"] / args.steps)
+                print(f"{row:32s} run {job}: median step {statistics.median(log['step_seconds'][1:]):.3f} s, "
                       f"{(sent - setup) / args.steps / 1e6:.1f} MB/step across hosts", flush=True)
     results = []
     print(f"\n{params / 1e6:.1f}M params (fp32), 2 hosts x 2 ranks, links {args.rate}")
-    print(f"{'row':24s} {'step s (p25-p75)':>22s} {'MB/step across hosts':>21s} {'x param bytes':>14s} "
+    print(f"{'row':32s} {'step s (p25-p75)':>22s} {'MB/step across hosts':>21s} {'x param bytes':>14s} "
           f"{'planner MB':>11s} {'counted MB':>11s}")
-    for name, s in samples.items():
+    for (name, s), (_, variant, _) in zip(samples.items(), rows):
         q = statistics.quantiles(s["step_s"], n=4) if len(s["step_s"]) > 1 else [s["step_s"][0]] * 3
         b = statistics.median(s["bytes_per_step"])
-        stage, hybrid = PLANNED[name]
+        stage, hybrid = PLANNED[variant]
         plan_b = planned[stage].hybrid_inter_host_bytes if hybrid else planned[stage].inter_host_bytes
         counted = statistics.median(s["counted"]) if s["counted"] else None
         results.append({"impl": name, "median_step_s": statistics.median(s["step_s"]), "p25_s": q[0], "p75_s": q[2],
                         "bytes_per_step": b, "bytes_per_step_runs": s["bytes_per_step"],
                         "planner_bytes_per_step": plan_b, "counted_bytes_per_step": counted,
                         "step_s_samples": s["step_s"]})
-        print(f"{name:24s} {statistics.median(s['step_s']):8.3f} ({q[0]:.3f}-{q[2]:.3f}) {b / 1e6:21.1f} "
+        print(f"{name:32s} {statistics.median(s['step_s']):8.3f} ({q[0]:.3f}-{q[2]:.3f}) {b / 1e6:21.1f} "
               f"{b / (4 * params):14.2f} {plan_b / 1e6:11.1f} "
               f"{'' if counted is None else f'{counted / 1e6:.1f}':>11s}")
-    out = {"machine": H.machine_info("cpu"), "rate": args.rate, "params": params, "steps": args.steps,
-           "repeats": args.repeats, "hosts": 2, "ranks_per_host": 2, "results": results}
+    out = {"machine": H.machine_info("cpu"), "rate": args.rate, "trees": dict(trees), "params": params,
+           "steps": args.steps, "repeats": args.repeats, "hosts": 2, "ranks_per_host": 2, "results": results}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

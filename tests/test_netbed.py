@@ -16,7 +16,8 @@ import netbed  # noqa: E402
 
 WHY = netbed.unavailable()
 # slow: seven 4-rank jobs (five across the namespaced hosts, one killed and restarted), each rank a new
-# interpreter, ~50 s on an idle 2-core machine; real multi-node launches cannot be made cheaper.
+# interpreter: ~50 s on an idle 2-core machine for the first five, 158 s for all seven on a loaded one;
+# real multi-node launches cannot be made cheaper.
 pytestmark = [pytest.mark.skipif(WHY is not None, reason=f"no multi-host test bed here: {WHY}"), pytest.mark.slow]
 
 SCRIPT = [os.path.join(ROOT, "examples", "train_gpt.py"), "--steps", "4", "--batch", "8", "--ctx", "16", "--vocab",

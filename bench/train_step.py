@@ -11,6 +11,7 @@ them the same batches):
                              step() leaves the param all-gathers to the next forward
   zerokern-s3                zerokern.shard(stage=3) on each block and the root: params sharded too,
                              gathered unit by unit with prefetch (FSDP2's shape)
+  zerokern-s3-nocheck        the same with the collective check off (ZEROKERN_CHECK_COLLECTIVES=0)
   ddp+adamw-fused            DistributedDataParallel(gradient_as_bucket_view=True) + AdamW(fused=True);
                              bf16: fp32 params under autocast(bf16)
   zero-redundancy            DDP + torch.distributed.optim.ZeroRedundancyOptimizer(AdamW(fused=True))
@@ -141,6 +142,20 @@ class Variant:
                     "optimizer_state": _storages_bytes(_state_tensors(self.opt)), "method": "visible tensors"}
 
 
+@contextlib.contextmanager
+def _env(values):
+    kept = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in kept.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def build(kind, base, dtype, device, world, cap_mb):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -156,11 +171,15 @@ def build(kind, base, dtype, device, world, cap_mb):
                 zerokern.shard(blk, stage=2, bucket_cap_mb=cap_mb, overlap_param_gather=True)
             zerokern.shard(model, stage=2, bucket_cap_mb=cap_mb, overlap_param_gather=True)
             return Variant(kind, model, zerokern.FusedZeroAdam(model.parameters(), **HYPER))
-        if kind == "zerokern-s3":
-            for blk in model.blocks:
-                zerokern.shard(blk, stage=3, bucket_cap_mb=cap_mb)
-            zerokern.shard(model, stage=3, bucket_cap_mb=cap_mb)
-            return Variant(kind, model, zerokern.FusedZeroAdam(model.parameters(), **HYPER))
+        if kind in ("zerokern-s3", "zerokern-s3-nocheck"):
+            # -nocheck: its Comms are made without the collective check (ZEROKERN_CHECK_COLLECTIVES=0
+            # while it is built), so the check's cost shows side by side with zerokern-s3
+            off = {"ZEROKERN_CHECK_COLLECTIVES": "0"} if kind.endswith("nocheck") else {}
+            with _env(off):
+                for blk in model.blocks:
+                    zerokern.shard(blk, stage=3, bucket_cap_mb=cap_mb)
+                zerokern.shard(model, stage=3, bucket_cap_mb=cap_mb)
+                return Variant(kind, model, zerokern.FusedZeroAdam(model.parameters(), **HYPER))
         opt = zerokern.FusedZeroAdam(model.parameters(), zero_stage=int(kind[-1]), bucket_cap_mb=cap_mb, **HYPER)
         return Variant(kind, model, opt)
     if kind == "ddp+adamw-fused":

@@ -263,3 +263,40 @@ def uneven_eval(rank, world):
                 sys.excepthook(type(e), e, e.__traceback__)  # as Python would, for an uncaught error
             out["printed"] = err.getvalue()
         return out
+
+
+def _planned_loop(rank, last):
+    """[Note: planned collectives] Six passes over the same four all-reduces (so the ranks agree on
+    a plan for the next ones), then a seventh whose names `last(rank)` gives. Returns the results
+    (rank 0's + rank 1's), the rounds of each pass, how many collectives were launched from a
+    plan, and the error if one was raised."""
+    from zerokern.zero.comm.factory import make_comm
+    os.environ["ZEROKERN_COLLECTIVE_TIMEOUT"] = "30"  # a hang would be an error well within the test's
+    comm = make_comm()
+    check = comm.check
+    passes = [[f"all_reduce[{k}]" for k in range(4)]] * 6 + [last(rank)]
+    out = {"error": None, "values": [], "rounds": []}
+    t0 = time.time()
+    try:
+        for names in passes:
+            before = check.rounds
+            tensors = [torch.full((2,), float(rank + 1)) for _ in names]
+            for w in [comm.all_reduce(t, name=n) for t, n in zip(tensors, names)]:
+                comm.wait(w)
+            out["values"].append([t[0].item() for t in tensors])
+            out["rounds"].append(check.rounds - before)
+    except CollectiveMismatch as e:
+        out.update(error=str(e), kind="mismatch")
+    out["planned"], out["seconds"] = check.planned, time.time() - t0
+    return out
+
+
+def planned_loop_deviating_alike(rank, world):
+    """Every rank leaves the plan the same way (a batch skipped on every rank): no error."""
+    return _planned_loop(rank, lambda r: ["all_reduce[0]", "all_reduce[elsewhere]", "all_reduce[2]"])
+
+
+def planned_loop_deviating_on_one_rank(rank, world):
+    """Rank 1 leaves the plan (its second collective of the last pass is another one) while rank 0
+    follows it and waits on the planned collective: both raise, naming both."""
+    return _planned_loop(rank, lambda r: ["all_reduce[0]", "all_reduce[elsewhere]" if r == 1 else "all_reduce[1]"])

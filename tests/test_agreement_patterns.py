@@ -100,3 +100,26 @@ def test_an_uneven_eval_loop_names_the_cause_on_every_rank():
     assert "Connection closed by peer" in second["error"] or "Connection reset" in second["error"], second
     assert second["explained"] is not None and cause in second["explained"], second
     assert second["hooked"] and second["explained"] in second["printed"], second
+
+
+def test_a_repeated_loop_runs_on_a_plan_and_every_rank_leaving_it_alike_goes_on():
+    """[Note: planned collectives]: once the ranks have agreed on a plan, the same four
+    collectives per pass launch with no round trip each (each pass took a round per collective,
+    or one for those queued together, before plans); the results are the same. Then every rank
+    leaves the plan the same way (a batch skipped on every rank): they agree on that and go on."""
+    for out in dist_harness.values(dist_harness.run(W.planned_loop_deviating_alike, 2, timeout=120)):
+        assert out["error"] is None, out["error"]
+        assert out["values"] == [[3.0] * 4] * 6 + [[3.0] * 3], out["values"]
+        assert sum(out["rounds"][2:6]) <= 2, out["rounds"]  # a stretch of the plan is agreed ahead, in the background
+        assert out["planned"] >= 12, out["planned"]
+
+
+def test_one_rank_leaving_the_plan_raises_on_every_rank():
+    """Rank 0 launched the planned collective and waits on it; rank 1 made another one. Rank 1
+    posts where it left the plan, rank 0 answers with what it made there, and both raise the same
+    error, within seconds, not at the timeout."""
+    outs = _both_raise_a_mismatch(dist_harness.run(W.planned_loop_deviating_on_one_rank, 2, timeout=120),
+                                  "all_reduce[1]", "all_reduce[elsewhere]")
+    for out in outs:
+        assert out["values"] == [[3.0] * 4] * 6, out["values"]  # every pass before it completed
+        assert out["seconds"] < 20, out["seconds"]

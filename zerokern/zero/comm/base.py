@@ -18,6 +18,7 @@ the collective was queued, and launches from that side stream, so the ordering i
 
 import os
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -35,8 +36,28 @@ class _Done:
     def wait(self):
         return True
 
+    def wait_for(self, seconds):
+        return True
+
     def is_completed(self):
         return True
+
+
+def finished(work, seconds) -> bool:
+    """Waits up to `seconds` for a launched collective: True once it completed (a planned one's
+    wait checks in between whether the other ranks went elsewhere, comm/check.py)."""
+    bounded = getattr(work, "wait_for", None)  # zerokern's composites (comm/gloo.py)
+    if bounded is not None:
+        return bounded(seconds)
+    if isinstance(work, dist.Work):
+        try:  # a zero timeout would mean none: wait at least a millisecond
+            # gloo's send/recv say False on timeout, its collectives raise
+            return work.wait(timedelta(seconds=max(seconds, 1e-3))) is not False
+        except RuntimeError as e:
+            if "timed out" in str(e).lower():
+                return False
+            raise
+    return True  # done when returned (an object all-gather)
 
 
 def _check_launched_alone():

@@ -11,7 +11,9 @@ before each collective every rank all-reduces (MAX) a small ticket, [v, -v] for 
 sequence number, a checksum of the collective's name, shape and dtype), over a gloo group of
 its own: every rank's v is equal exactly when max(v) == -max(-v). Only then is the real
 collective launched, so a data collective always meets its partner. One ticket carries a slot
-for every collective queued by then ([Note: announcing in rounds]). On a mismatch every rank
+for every collective queued by then ([Note: announcing in rounds]), and the slots after them
+carry a forecast: a training loop repeats its collectives, so the ranks agree on the next ones
+ahead and launch them with no round trip of their own ([Note: planned collectives]). On a mismatch every rank
 gathers what each was at and raises the same error. As torch's TORCH_DISTRIBUTED_DEBUG=DETAIL
 (ProcessGroupWrapper) checks collectives, but with one all-reduce of 16 bytes and the unit or
 bucket named, on by default.
@@ -35,12 +37,14 @@ ZEROKERN_CHECK_COLLECTIVES=0 turns all of this off (zerokern's collectives are l
 calling thread, on the user's group; a mismatch is then a hang or an abort again).
 """
 
+import atexit
 import collections
 import itertools
 import os
 import queue
 import sys
 import threading
+import time
 import zlib
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -50,6 +54,8 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from ..core.errors import CollectiveMismatch, RankLost
+from .base import finished as _finished
+from .forecast import Forecast
 
 
 # What gloo says when the peer's process is gone (its sockets closed by the kernel).
@@ -135,13 +141,17 @@ def _store():
         return None
 
 
-def _post_cause(message: str) -> None:
+def _post(key: str, value: str) -> None:
     store = _store()
     if store is not None:
         try:
-            store.set(_CAUSE_KEY, message)
-        except Exception:  # noqa: BLE001  best effort ([Note: the cause, on every rank])
+            store.set(key, value)
+        except Exception:  # noqa: BLE001  best effort: a rank that reads nothing there waits for its timeout
             pass
+
+
+def _post_cause(message: str) -> None:
+    _post(_CAUSE_KEY, message)  # best effort ([Note: the cause, on every rank])
 
 
 def posted_cause():
@@ -196,32 +206,67 @@ def _rank_lost(rank, when, error) -> RankLost:
 # [Note: announcing in rounds] One announcement per collective cost a round trip on the control
 # group each (0.3-1 ms on 2 loaded CPU ranks, and a ring all-reduce's 2(N-1) hops on N ranks), so
 # the check's thread announces in rounds: each round takes every collective queued by then (up to
-# WINDOW) and all-reduces (MAX) one ticket with a slot per collective, [v_1..v_W, -v_1..-v_W] for
-# v_j = (sequence number + 1, checksum of name, shape, dtype) of this rank's j-th, 0 for a slot
-# it has nothing for. Every rank gets the same reduced ticket and so decides alike: the leading
-# slots where max(v) == -max(-v) > 0 (every rank announced the same) are launched, in order; the
-# rest wait for the next round (a rank that has not queued them yet, or differs there: the next
-# round's first slot tells). A rank takes part in a round only with something queued, and every
-# rank launched the same collectives before, so the first slot is filled on every rank with the
-# same sequence number: if it differs, the ranks are at different collectives, and every rank
-# raises. A collective is still launched only after every rank announced it; what changes is
-# that a unit's gathers, or the reduce-scatters a backward queued while the thread was waiting,
-# share one round trip, and the thread is never more than a round behind the caller.
-WINDOW = 32
+# WINDOW) and all-reduces (MAX) one ticket: where the round starts (the first sequence number it
+# covers) and per slot j, v_j = (1, checksum of name, shape, dtype) of this rank's collective there
+# (0: nothing there) and whether that collective was queued (real) or only forecast ([Note:
+# planned collectives]), each also negated, so the MAX gives every slot's max and min over the
+# ranks. Every rank gets the same reduced ticket and so decides alike: the leading slots where
+# every rank has the same nonzero v are agreed, in order; the rest wait for the next round (a
+# rank that has not queued them yet, or one whose forecast was wrong). The ranks are at
+# different collectives, and every rank raises, when the rounds start at different places or
+# every rank's first slot is real and they differ.
+WINDOW = 64
+
+# [Note: planned collectives] Even in rounds, a collective launched only after a round trip waits
+# for it whenever the caller needs its result at once (a stage-3 unit's gather, the next step's
+# first collective): 1.3-1.5x a stage-3 step on 2 CPU ranks (bench/collective_check.py). But a
+# training loop makes the same collectives every step, so each round also fills the slots after
+# the queued collectives with a forecast (forecast.py: what followed the same collectives last
+# time; every rank forecasts alike, from the same agreed past). Forecast slots every rank agrees
+# on are a plan: when the caller then queues the planned collective it is launched at once, on
+# the caller's thread, with no round trip, and when the caller passes the middle of the plan the
+# thread agrees the next stretch in the background. A planned collective is safe to launch
+# early: every rank agreed to make exactly it at that point, so it can only ever meet its
+# partner. What is left is a rank that makes something else at a planned point (it deviates):
+#   - it never launches the planned collective (nor any after it) and announces what it made
+#     instead, in a round that starts there; if every rank deviated alike, they agree on it and go
+#     on (a batch skipped on every rank);
+#   - a rank that followed the plan is waiting on a collective the deviating rank never makes, or
+#     its thread is in the next round, which starts elsewhere: a mismatch, and every rank raises.
+#     For the first case the deviating rank posts where it deviated on the store, and a rank whose
+#     planned collective has waited over POLL_SECONDS looks there (one store read per poll, only
+#     then) and announces, in a round that starts at that point, what it made there.
+# A planned wait is bounded like an announcement: ZEROKERN_COLLECTIVE_TIMEOUT, then the same
+# error. Plans are used where the backend's waits block the host (gloo): on NCCL the host does not
+# wait on a collective, so a rank that followed a plan would hang in the GPU's stream instead of
+# raising, and every collective is announced first, as before. ZEROKERN_PLAN_COLLECTIVES=0 turns
+# plans off.
+POLL_SECONDS = 0.2
+_DEVIATION_KEY = "zerokern/deviation/"
+
+
+def _code(what: str) -> int:
+    return (1 << 32) | zlib.crc32(what.encode())  # > 0: 0 is an empty slot
 
 
 class _Queued:
-    """A collective the check's thread launches once every rank announced it; Work-like."""
+    """A collective the check's thread launches once every rank announced it, or one launched from
+    the plan at once; Work-like. Where plans are on, its wait gives up when the check failed (a
+    rank that left the plan will never make it) or it waited past the timeout ([Note: planned
+    collectives]); elsewhere (NCCL) a bounded wait would block the host, so it waits as before."""
 
-    def __init__(self, rank=None, what=""):
+    def __init__(self, check, seq, what):
         self._ready = threading.Event()
         self._work = None
         self._error = None
-        self._rank, self._what = rank, what
+        self._check, self._seq, self._what = check, seq, what
+        self.launched_at = None
 
-    def _launched(self, work) -> None:
+    def _launched(self, work) -> "_Queued":
         self._work = work
+        self.launched_at = time.monotonic()
         self._ready.set()
+        return self
 
     def _failed(self, error) -> None:
         self._error = error
@@ -231,20 +276,42 @@ class _Queued:
         self._ready.wait()
         if self._error is not None:
             raise type(self._error)(*self._error.args)
+        check = self._check
         try:
+            while check.plans and not _finished(self._work, POLL_SECONDS):
+                if check._error is not None:
+                    raise type(check._error)(*check._error.args)
+                if time.monotonic() - self.launched_at > check.timeout:
+                    check._timed_out(self._seq, self._what)
             return self._work.wait()
-        except RuntimeError as e:  # announced and launched, then a peer vanished mid-transfer
+        except RuntimeError as e:  # launched, then a peer vanished mid-transfer
             if any(g in str(e) for g in _GONE):
-                raise _rank_lost(self._rank, f"during {self._what}", e) from None
+                raise _rank_lost(check.rank, f"during #{self._seq} {self._what}", e) from None
             raise
 
     def is_completed(self) -> bool:
         return self._ready.is_set() and (self._error is not None or self._work.is_completed())
 
 
+_REFILL = object()  # queued by the caller at the middle of the plan: agree on the next stretch
+_STOP = object()  # queued at exit: the thread returns
+
+
+def _stop_threads() -> None:
+    """At exit, before Python finalizes: a check's thread wakes every POLL_SECONDS ([Note:
+    planned collectives]), and one that wakes while the interpreter finalizes is ended inside C++
+    code (SIGABRT, as in [Note: exit drain]), so each thread is told to return and given a moment
+    to. One still inside a round (its peer gone) stays blocked there, holding nothing."""
+    for check in list(_CHECKS.values()):
+        check._stop()
+
+
+atexit.register(_stop_threads)
+
+
 class CollectiveCheck:
     """The announcements of one process group: their gloo group, the group zerokern's own
-    collectives run on, the sequence number, and the thread that launches in order."""
+    collectives run on, the sequence number, the plan, and the thread that launches in order."""
 
     def __init__(self, group):
         self.group = group
@@ -259,71 +326,196 @@ class CollectiveCheck:
             self.control = _new_group(ranks, backend="gloo", timeout=timedelta(seconds=self.timeout),
                                       use_local_synchronization=local)
             self.data = _new_group(ranks, backend=dist.get_backend(group), use_local_synchronization=local)
-        self.seq = 0
+        self.seq = 0  # collectives queued by the caller
         self.rounds = 0  # announcement rounds so far (tests and bench/collective_check.py read it)
+        self.planned = 0  # collectives launched from the plan, without a round of their own
+        self.plans = (dist.get_backend(group) == "gloo"
+                      and os.environ.get("ZEROKERN_PLAN_COLLECTIVES", "1") != "0")
+        self.forecast = Forecast()  # every agreed collective; its end is the last agreed sequence number
+        self._plan = {}  # seq -> checksum: agreed, not queued here yet ([Note: planned collectives])
+        self._refill_at = None  # the caller queueing this planned seq asks for the next stretch
+        self._made = collections.OrderedDict()  # seq -> (what, checksum, from the plan) launched here lately
+        self._in_flight = []  # planned collectives launched, maybe not completed
+        self._joined = 0  # the last deviation this rank answered
+        self._launched_to = 0  # the last collective launched here (in order, each one agreed)
+        self._unlaunched = 0  # queued for the thread, not launched yet: the caller launches nothing before them
+        self._lock = threading.Lock()  # the plan and the counts above, between the caller and the thread
         self._queue = queue.SimpleQueue()
         self._error = None  # the first failure: every later collective fails with it
         self._thread = None
+        self._stopping = False
         self._side = {}  # CUDA device index -> the stream launches are made on
+        self._deviation_key = _DEVIATION_KEY + self.control.group_name  # the same on every member
         _install_excepthook()  # [Note: the cause, on every rank]
 
     def submit(self, name: str, tensor, launch):
         """Queue launch() (which starts the collective on self.data and returns its Work) behind
-        its announcement; the Work-like answer waits for both."""
+        its announcement, or launch it now if it is the planned one; the Work-like answer waits
+        for both."""
         if self._error is not None:
             raise type(self._error)(*self._error.args)
         self.seq += 1
+        seq = self.seq
         what = name if tensor is None else f"{name} {tuple(tensor.shape)} {tensor.dtype}"
-        mark = device = None
-        if tensor is not None and tensor.is_cuda:
-            device = tensor.device
-            mark = torch.cuda.Event()
-            mark.record(torch.cuda.current_stream(device))
-        elif torch.cuda.is_initialized():  # the current device is per thread (NCCL's object gathers use it)
-            device = torch.device("cuda", torch.cuda.current_device())
-        queued = _Queued(self.rank, f"#{self.seq} {what}")
-        self._queue.put((self.seq, what, name, launch, device, mark, queued))
+        code = _code(what)
+        with self._lock:
+            planned = self._plan.pop(seq, None)
+            # launched here only when nothing queued before it is still to be launched by the thread
+            if planned == code and self._unlaunched == 0 and (tensor is None or not tensor.is_cuda):
+                self._planned_launch(seq, what, code)
+            else:
+                if planned == code:
+                    self._plan[seq] = code  # the thread launches it, after those queued before it
+                elif planned is not None:  # deviates: nothing planned is launched here from seq on
+                    self._void_plan(seq)
+                planned = None
+                self._unlaunched += 1
+                mark = device = None
+                if tensor is not None and tensor.is_cuda:
+                    device = tensor.device
+                    mark = torch.cuda.Event()
+                    mark.record(torch.cuda.current_stream(device))
+                elif torch.cuda.is_initialized():  # the current device is per thread (NCCL's object gathers use it)
+                    device = torch.device("cuda", torch.cuda.current_device())
+                queued = _Queued(self, seq, what)
+                self._queue.put((seq, what, code, name, launch, device, mark, queued))
+        if planned is not None:
+            try:
+                with record_function(f"zerokern::{name}"):
+                    work = _Queued(self, seq, what)._launched(launch())
+            except BaseException as e:  # noqa: BLE001  the others launched it: every later collective fails too
+                self._fail(e, seq, what)
+                raise type(self._error)(*self._error.args) from e
+            with self._lock:
+                self._in_flight.append(work)
+            return work
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=f"zerokern-collectives-{id(self)}", daemon=True)
             self._thread.start()
         return queued
 
+    def _planned_launch(self, seq, what, code) -> None:
+        """(Lock held.) The planned collective at seq is being launched, by the caller or the
+        thread: remembered, and at the middle of the plan the next stretch is asked for."""
+        self.planned += 1
+        self._remember(seq, what, code, planned=True)
+
+    def _void_plan(self, seq) -> None:
+        """(Lock held.) This rank left the plan at seq: what was planned before it still stands
+        (the collectives queued before it, which the thread launches), nothing from it on does."""
+        self._plan = {s: c for s, c in self._plan.items() if s < seq}
+        if self._refill_at is not None and self._refill_at >= seq:
+            self._refill_at = None
+
+    def _remember(self, seq, what, code, planned=False) -> None:
+        """(Lock held.) What was launched at seq, and whether from the plan. Launching the middle
+        of the plan asks for the next stretch: every rank that launches it does (a rank that left
+        the plan before it does not, and neither do the others, who left it alike or raise)."""
+        if seq not in self._made:  # (a planned one was remembered as it was launched)
+            self._made[seq] = (what, code, planned)
+            while len(self._made) > 4 * WINDOW:
+                self._made.popitem(last=False)
+        if seq > self._launched_to:
+            self._launched_to = seq
+            if seq == self._refill_at:
+                self._refill_at = None
+                self._queue.put(_REFILL)
+
+    def _stop(self) -> None:
+        self._stopping = True
+        if self._thread is not None and self._thread.is_alive():
+            self._queue.put(_STOP)
+            self._thread.join(timeout=1.0)
+
     def _run(self) -> None:
-        pending = collections.deque()  # queued, not yet launched, in order
+        pending = collections.deque()  # queued, not launched yet, in order
         while True:
+            refill = False
             if not pending:
-                pending.append(self._queue.get())
-            while len(pending) < WINDOW:  # [Note: announcing in rounds]: whatever else is queued goes along
                 try:
-                    pending.append(self._queue.get_nowait())
+                    item = self._queue.get(timeout=POLL_SECONDS if self.plans else None)
+                except queue.Empty:
+                    self._answer_deviation()
+                    continue
+                refill |= self._take(item, pending)
+            while True:  # [Note: announcing in rounds]: whatever else is queued goes along
+                try:
+                    refill |= self._take(self._queue.get_nowait(), pending)
                 except queue.Empty:
                     break
+            if self._stopping:
+                return
             if self._error is not None:
-                while pending:
-                    pending.popleft()[-1]._failed(self._error)
+                self._fail_all(pending)
+                continue
+            if not pending and not refill:
                 continue
             try:
-                agreed = self._announce([item[:2] for item in itertools.islice(pending, WINDOW)])
+                if refill and pending and pending[0][0] <= self.forecast.end:
+                    # The caller asked for the next stretch, then left the plan: every rank asks
+                    # for that stretch in a round of its own (one that followed the plan, or left
+                    # it later, too), so this one does as well, before announcing where it left.
+                    self._round(collections.deque())
+                self._round(pending)
             except BaseException as e:  # noqa: BLE001  handed to the waiters, and to every later collective
-                self._fail(e, *pending[0][:2])
-                continue
-            for _ in range(agreed):
-                seq, what, name, launch, device, mark, queued = pending.popleft()
-                try:
-                    with self._stream(device, mark), record_function(f"zerokern::{name}"):
-                        queued._launched(launch())
-                except BaseException as e:  # noqa: BLE001
-                    self._fail(e, seq, what)
-                    queued._failed(self._error)
-                    break
+                self._fail(e, *(pending[0][:2] if pending else (self.forecast.end + 1, "planned collectives")))
             if self._error is not None:
-                while pending:
-                    pending.popleft()[-1]._failed(self._error)
+                self._fail_all(pending)
+
+    def _take(self, item, pending) -> bool:
+        """A queued item: the planned collective (launched now), a collective to announce (into
+        pending), or the caller's request for the next stretch of the plan (True)."""
+        if item is _REFILL:
+            return True
+        if item is _STOP:
+            return False
+        seq, what, code = item[:3]
+        with self._lock:
+            planned = not pending and self._plan.get(seq) == code and self._error is None
+            if planned:  # planned since it was queued
+                del self._plan[seq]
+                self._planned_launch(seq, what, code)
+            elif seq in self._plan:  # deviates (the caller had not seen the plan yet)
+                self._void_plan(seq)
+        if planned:
+            self._launch_item(item, planned=True)
+        else:
+            pending.append(item)
+        return False
+
+    def _launch_item(self, item, planned=False) -> None:
+        """Launches a queued collective (outside the lock: a launch may block, an object gather)."""
+        seq, what, code, name, launch, device, mark, queued = item
+        try:
+            with self._stream(device, mark), record_function(f"zerokern::{name}"):
+                queued._launched(launch())
+        except BaseException as e:  # noqa: BLE001
+            self._fail(e, seq, what)
+            queued._failed(self._error)
+        with self._lock:
+            self._unlaunched -= 1
+            self._remember(seq, what, code)
+            if planned:
+                self._in_flight.append(queued)
+
+    def _fail_all(self, pending) -> None:
+        while pending:
+            pending.popleft()[-1]._failed(self._error)
+            with self._lock:
+                self._unlaunched -= 1
 
     def _fail(self, e, seq, what) -> None:
         """The first failure: the waiter of #seq gets it, and so does every later collective."""
-        self._error = e if isinstance(e, CollectiveMismatch) else CollectiveMismatch(
+        error = e if isinstance(e, CollectiveMismatch) else CollectiveMismatch(
             f"zerokern (rank {self.rank}): launching #{seq} {what} failed: {type(e).__name__}: {e}")
+        with self._lock:
+            if self._error is None:
+                self._error = error
+
+    def _timed_out(self, seq, what):
+        """A planned collective waited past the timeout: the same error as an announcement's."""
+        error = self._waiting_failed(seq, what, "timed out")
+        raise type(error)(*error.args)
 
     def _stream(self, device, mark):
         """The caller's CUDA device, and a side stream that waits for the caller's stream as it
@@ -338,45 +530,129 @@ class CollectiveCheck:
         side.wait_event(mark)
         return torch.cuda.stream(side)
 
-    def _announce(self, items) -> int:
-        """One round ([Note: announcing in rounds]): `items`, this rank's next (seq, what) in
-        order (at least one, at most WINDOW), against every rank's. Returns how many of them every
-        rank announced alike (the collectives to launch now); raises alike on every rank if the
-        first differs."""
+    def _answer_deviation(self) -> None:
+        """[Note: planned collectives] The thread is idle and a planned collective has waited
+        long: if a rank posted that it deviated at a point where this one launched the plan,
+        announce what was made there, in a round that starts there (the deviating rank's)."""
+        with self._lock:
+            self._in_flight = [q for q in self._in_flight if not q.is_completed()]
+        if not self._in_flight or time.monotonic() - self._in_flight[0].launched_at < POLL_SECONDS:
+            return
+        store = _store()
+        try:
+            if store is None or not store.check([self._deviation_key]):
+                return
+            seq = int(store.get(self._deviation_key))
+        except Exception:  # noqa: BLE001  the store is gone too: the wait's own error comes
+            return
+        made = self._made.get(seq)
+        if seq <= self._joined or made is None or not made[2]:  # only where this rank followed the plan
+            return
+        self._joined = seq
+        what, code, _ = made
+        try:
+            self._exchange(seq, [(seq, what, code, True)])
+        except BaseException as e:  # noqa: BLE001
+            self._fail(e, seq, what)
+
+    def _round(self, pending) -> None:
+        """One round ([Note: announcing in rounds]) over `pending` (this rank's queued
+        collectives, in order) and the forecast after them; launches what every rank agreed to,
+        keeps the forecast they agreed on as the plan, and raises alike on every rank if they are
+        at different collectives."""
+        with self._lock:
+            agreed_to = self.forecast.end
+        if pending and pending[0][0] <= agreed_to:
+            # deviates from the plan at pending[0]: posted for ranks that followed it, no forecast
+            start = pending[0][0]
+            _post(self._deviation_key, str(start))
+            slots = [(seq, what, code, True) for seq, what, code, *_ in itertools.islice(pending, WINDOW)]
+        else:
+            start = agreed_to + 1
+            slots = [(seq, what, code, True) for seq, what, code, *_ in itertools.islice(pending, WINDOW)]
+            if self.plans and len(slots) < WINDOW:
+                ahead = self.forecast.ahead([code for _, _, code, _ in slots], WINDOW - len(slots))
+                slots += [(start + len(slots) + i, "", code, False) for i, code in enumerate(ahead)]
+        agreed = self._exchange(start, slots)
+        launch = []
+        with self._lock:
+            if start <= self.forecast.end:  # every rank deviated alike at start: the plan after it is void
+                self.forecast.truncate(start - 1)
+                self._plan.clear()
+            for seq, _, code, _ in slots[:agreed]:
+                self.forecast.append(code)
+                if pending and pending[0][0] == seq:
+                    launch.append(pending.popleft())
+                else:
+                    self._plan[seq] = code
+            self._refill_at = None
+            # the next stretch, asked for when the caller is half way through this one (if there is a
+            # forecast at all: that depends only on what was agreed, so every rank decides alike)
+            if agreed and self.plans and self.forecast.ahead((), 1):
+                self._refill_at = self.forecast.end - WINDOW // 2
+                if self._launched_to >= self._refill_at:
+                    self._refill_at = None
+                    self._queue.put(_REFILL)
+        for item in launch:  # the caller launches nothing planned until these are (self._unlaunched)
+            self._launch_item(item)
+        while True:  # queued during the round, planned by it
+            with self._lock:
+                if not pending or pending[0][0] not in self._plan or self._error is not None:
+                    return
+                seq, what, code = pending[0][:3]
+                if self._plan.pop(seq) != code:
+                    self._void_plan(seq)
+                    return
+                self._planned_launch(seq, what, code)
+                item = pending.popleft()
+            self._launch_item(item, planned=True)
+
+    def _exchange(self, start, slots) -> int:
+        """The all-reduce of one round's ticket: how many leading slots every rank agreed on;
+        raises alike on every rank if they are at different collectives."""
         self.rounds += 1
-        seq, what = items[0]
-        mine = [((s % (1 << 30) + 1) << 32) | zlib.crc32(w.encode()) for s, w in items]  # > 0: 0 is an empty slot
-        mine += [0] * (WINDOW - len(mine))
+        mine = [start] + [code for _, _, code, _ in slots] + [0] * (WINDOW - len(slots))
+        mine += [int(real) for _, _, _, real in slots] + [0] * (WINDOW - len(slots))
         ticket = torch.tensor(mine + [-v for v in mine], dtype=torch.int64)
+        seq, what = (slots[0][0], slots[0][1]) if slots else (start, "planned collectives")
         self._call(lambda: dist.all_reduce(ticket, op=dist.ReduceOp.MAX, group=self.control), seq, what)
-        top, bottom = ticket[:WINDOW].tolist(), [-x for x in ticket[WINDOW:].tolist()]
-        agreed = 0
-        while agreed < WINDOW and bottom[agreed] > 0 and top[agreed] == bottom[agreed]:
-            agreed += 1
-        if agreed:
+        n = 1 + 2 * WINDOW
+        top, bottom = ticket[:n].tolist(), [-x for x in ticket[n:].tolist()]
+        codes_top, codes_bottom = top[1:1 + WINDOW], bottom[1:1 + WINDOW]
+        everyone_real = bottom[1 + WINDOW]  # every rank's first slot is a queued collective
+        if top[0] == bottom[0] and not (everyone_real and codes_top[0] != codes_bottom[0]):
+            agreed = 0
+            while agreed < len(slots) and codes_bottom[agreed] > 0 and codes_top[agreed] == codes_bottom[agreed]:
+                agreed += 1
             return agreed
-        # Every rank announced at least one, for the same sequence number (every rank launched the
-        # same ones before): the first slot differs, so the ranks are at different collectives.
+        # The rounds start at different places, or every rank queued a different first collective.
+        first = bottom[0]
+        mine_there = self._made.get(first)
+        said = (first, mine_there[0]) if mine_there else (seq, what + ("" if slots and slots[0][3] else " (planned)"))
         everyone = [None] * self.world_size
-        self._call(lambda: dist.all_gather_object(everyone, (seq, what), group=self.control), seq, what)
+        self._call(lambda: dist.all_gather_object(everyone, said, group=self.control), seq, what)
         raise CollectiveMismatch(
             "zerokern: the ranks reached different collectives, which cannot pair: "
             + "; ".join(f"rank {r} at #{s} {w}" for r, (s, w) in enumerate(everyone)) + ". " + _HINT)
+
+    def _waiting_failed(self, seq, what, cause):
+        error = CollectiveMismatch(
+            f"zerokern (rank {self.rank}): waiting for the other ranks to reach #{seq} {what} failed "
+            f"({cause}): a rank stopped, raised, or waits elsewhere (timeout "
+            f"{self.timeout:g} s, ZEROKERN_COLLECTIVE_TIMEOUT). " + _HINT)
+        with self._lock:  # the first one (a planned wait's or the thread's) is the one posted and raised
+            if self._error is None:
+                self._error = error
+                _post_cause(str(error))  # [Note: the cause, on every rank]
+            return self._error
 
     def _call(self, op, seq, what) -> None:
         try:
             op()
         except RuntimeError as e:
-            cause = str(e).splitlines()[0][:160]
             if any(g in str(e) for g in _GONE):
                 raise _rank_lost(self.rank, f"while this one waited for #{seq} {what}", e) from None
-            error = CollectiveMismatch(
-                f"zerokern (rank {self.rank}): waiting for the other ranks to reach #{seq} {what} failed "
-                f"({cause}): a rank stopped, raised, or waits elsewhere (timeout "
-                f"{self.timeout:g} s, ZEROKERN_COLLECTIVE_TIMEOUT). " + _HINT)
-            _post_cause(str(error))  # [Note: the cause, on every rank]
-            raise error from None
-
+            raise self._waiting_failed(seq, what, str(e).splitlines()[0][:160]) from None
 
 # One check per process group (the groups' Comm objects share its sequence numbers: the group's
 # collectives pair in one order, whichever Comm launched them).

@@ -300,3 +300,44 @@ def planned_loop_deviating_on_one_rank(rank, world):
     """Rank 1 leaves the plan (its second collective of the last pass is another one) while rank 0
     follows it and waits on the planned collective: both raise, naming both."""
     return _planned_loop(rank, lambda r: ["all_reduce[0]", "all_reduce[elsewhere]" if r == 1 else "all_reduce[1]"])
+
+
+def _until_mismatch(rank, body):
+    """body(comm) on a fresh zerokern Comm (a 30 s timeout: a hang is an error well within the
+    test's); returns the error if one was raised, and the seconds it took."""
+    from zerokern.zero.comm.factory import make_comm
+    os.environ["ZEROKERN_COLLECTIVE_TIMEOUT"] = "30"
+    comm = make_comm()
+    out = {"error": None}
+    t0 = time.time()
+    try:
+        body(comm)
+    except CollectiveMismatch as e:
+        out.update(error=str(e), kind="mismatch")
+    out["seconds"] = time.time() - t0
+    return out
+
+
+def queued_on_one_rank_planned_on_the_other(rank, world):
+    """[Note: planned collectives] A loop runs on a plan, then rank 0 queues a long burst of it
+    at once while rank 1 sleeps, then makes it one at a time: rank 0's rounds announce the
+    collectives past the plan as queued ones, while rank 1 agrees to them as a forecast (planned).
+    Rank 1 then leaves the plan at one of them (rank 0 launched it; it never completes): both
+    raise, naming both, within seconds."""
+    def body(comm):
+        for _ in range(6):
+            for w in [comm.all_reduce(torch.ones(2), name=f"all_reduce[{k}]") for k in range(4)]:
+                comm.wait(w)
+        if rank == 1:
+            time.sleep(2.0)  # rank 0 has queued all 130 by then; its thread waits in a round for rank 1
+        names = [f"all_reduce[{i % 4}]" for i in range(130)]
+        if rank == 1:  # past the stretch planned when rank 0 queued: rank 0 announced it as queued
+            names[125] = "all_reduce[elsewhere]"
+        if rank == 0:
+            for w in [comm.all_reduce(torch.ones(2), name=n) for n in names]:
+                comm.wait(w)
+        else:  # one at a time: its rounds ask for the next stretch, with no collective queued
+            for n in names:
+                comm.wait(comm.all_reduce(torch.ones(2), name=n))
+    return _until_mismatch(rank, body)
+

@@ -484,7 +484,9 @@ class CollectiveCheck:
         return False
 
     def _launch_item(self, item, planned=False) -> None:
-        """Launches a queued collective (outside the lock: a launch may block, an object gather)."""
+        """Launches a queued collective (outside the lock: a launch may block, an object gather).
+        planned: another rank may hold it as planned, so may leave the plan there (it is then
+        answered, as a collective launched from the plan is: _answer_deviation)."""
         seq, what, code, name, launch, device, mark, queued = item
         try:
             with self._stream(device, mark), record_function(f"zerokern::{name}"):
@@ -494,7 +496,7 @@ class CollectiveCheck:
             queued._failed(self._error)
         with self._lock:
             self._unlaunched -= 1
-            self._remember(seq, what, code)
+            self._remember(seq, what, code, planned)
             if planned:
                 self._in_flight.append(queued)
 
@@ -573,16 +575,18 @@ class CollectiveCheck:
             if self.plans and len(slots) < WINDOW:
                 ahead = self.forecast.ahead([code for _, _, code, _ in slots], WINDOW - len(slots))
                 slots += [(start + len(slots) + i, "", code, False) for i, code in enumerate(ahead)]
-        agreed = self._exchange(start, slots)
+        agreed, forecast_somewhere = self._exchange(start, slots)
         launch = []
         with self._lock:
             if start <= self.forecast.end:  # every rank deviated alike at start: the plan after it is void
                 self.forecast.truncate(start - 1)
                 self._plan.clear()
-            for seq, _, code, _ in slots[:agreed]:
+            for j, (seq, _, code, _) in enumerate(slots[:agreed]):
                 self.forecast.append(code)
                 if pending and pending[0][0] == seq:
-                    launch.append(pending.popleft())
+                    # queued here, only forecast on some other rank: planned there, so that rank
+                    # may leave the plan at it, and this one must answer ([Note: planned collectives])
+                    launch.append((pending.popleft(), forecast_somewhere[j]))
                 else:
                     self._plan[seq] = code
             self._refill_at = None
@@ -593,8 +597,8 @@ class CollectiveCheck:
                 if self._launched_to >= self._refill_at:
                     self._refill_at = None
                     self._queue.put(_REFILL)
-        for item in launch:  # the caller launches nothing planned until these are (self._unlaunched)
-            self._launch_item(item)
+        for item, planned_somewhere in launch:  # the caller launches nothing planned until these are (self._unlaunched)
+            self._launch_item(item, planned=planned_somewhere)
         while True:  # queued during the round, planned by it
             with self._lock:
                 if not pending or pending[0][0] not in self._plan or self._error is not None:
@@ -607,9 +611,10 @@ class CollectiveCheck:
                 item = pending.popleft()
             self._launch_item(item, planned=True)
 
-    def _exchange(self, start, slots) -> int:
-        """The all-reduce of one round's ticket: how many leading slots every rank agreed on;
-        raises alike on every rank if they are at different collectives."""
+    def _exchange(self, start, slots):
+        """The all-reduce of one round's ticket: how many leading slots every rank agreed on, and
+        per agreed slot whether some rank had it only as a forecast; raises alike on every rank if
+        they are at different collectives."""
         self.rounds += 1
         mine = [start] + [code for _, _, code, _ in slots] + [0] * (WINDOW - len(slots))
         mine += [int(real) for _, _, _, real in slots] + [0] * (WINDOW - len(slots))
@@ -624,7 +629,7 @@ class CollectiveCheck:
             agreed = 0
             while agreed < len(slots) and codes_bottom[agreed] > 0 and codes_top[agreed] == codes_bottom[agreed]:
                 agreed += 1
-            return agreed
+            return agreed, [bottom[1 + WINDOW + j] == 0 for j in range(agreed)]
         # The rounds start at different places, or every rank queued a different first collective.
         first = bottom[0]
         mine_there = self._made.get(first)

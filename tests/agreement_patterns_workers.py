@@ -341,3 +341,15 @@ def queued_on_one_rank_planned_on_the_other(rank, world):
                 comm.wait(comm.all_reduce(torch.ones(2), name=n))
     return _until_mismatch(rank, body)
 
+
+def planned_object_gather_left_on_one_rank(rank, world):
+    """An object gather in a loop (its launch blocks until every rank made it): where rank 1 makes
+    another collective instead, rank 0 must not sit in the gather; both raise, within seconds."""
+    def body(comm):
+        for p in range(8):
+            comm.wait(comm.all_reduce(torch.ones(2), name="all_reduce[0]"))
+            if rank == 1 and p == 7:
+                comm.wait(comm.all_reduce(torch.ones(2), name="all_reduce[elsewhere]"))
+            else:
+                comm.gather_objects(p, name="gather_objects[1]")
+    return _until_mismatch(rank, body)

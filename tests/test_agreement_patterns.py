@@ -134,3 +134,11 @@ def test_one_rank_leaving_a_plan_the_other_announced_raises_on_every_rank():
     for out in outs:
         assert out["seconds"] < 20, out["seconds"]
 
+
+def test_one_rank_leaving_the_plan_at_an_object_gather_raises_on_every_rank():
+    """An object gather is never launched from a plan (its launch blocks: rank 0 sat in it until
+    rank 1 gave up at the timeout and exited)."""
+    outs = _both_raise_a_mismatch(dist_harness.run(W.planned_object_gather_left_on_one_rank, 2, timeout=120),
+                                  "gather_objects[1]", "all_reduce[elsewhere]")
+    for out in outs:
+        assert out["seconds"] < 20, out["seconds"]

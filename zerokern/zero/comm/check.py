@@ -333,6 +333,7 @@ class CollectiveCheck:
                       and os.environ.get("ZEROKERN_PLAN_COLLECTIVES", "1") != "0")
         self.forecast = Forecast()  # every agreed collective; its end is the last agreed sequence number
         self._plan = {}  # seq -> checksum: agreed, not queued here yet ([Note: planned collectives])
+        self._blocking = set()  # checksums of collectives whose launch blocks (object gathers): never forecast
         self._refill_at = None  # the caller queueing this planned seq asks for the next stretch
         self._made = collections.OrderedDict()  # seq -> (what, checksum, from the plan) launched here lately
         self._in_flight = []  # planned collectives launched, maybe not completed
@@ -359,6 +360,12 @@ class CollectiveCheck:
         what = name if tensor is None else f"{name} {tuple(tensor.shape)} {tensor.dtype}"
         code = _code(what)
         with self._lock:
+            if tensor is None:
+                # An object gather's launch blocks until every rank launched it, so one launched from
+                # the plan could not be answered when a rank left it there (the caller would hang
+                # in it): it is never forecast, every rank announces it. Every code a forecast holds
+                # was queued here first, so every rank knows it as blocking before forecasting it.
+                self._blocking.add(code)
             planned = self._plan.pop(seq, None)
             # launched here only when nothing queued before it is still to be launched by the thread
             if planned == code and self._unlaunched == 0 and (tensor is None or not tensor.is_cuda):
@@ -574,6 +581,7 @@ class CollectiveCheck:
             slots = [(seq, what, code, True) for seq, what, code, *_ in itertools.islice(pending, WINDOW)]
             if self.plans and len(slots) < WINDOW:
                 ahead = self.forecast.ahead([code for _, _, code, _ in slots], WINDOW - len(slots))
+                ahead = list(itertools.takewhile(lambda c: c not in self._blocking, ahead))
                 slots += [(start + len(slots) + i, "", code, False) for i, code in enumerate(ahead)]
         agreed, forecast_somewhere = self._exchange(start, slots)
         launch = []

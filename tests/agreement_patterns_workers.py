@@ -353,3 +353,43 @@ def planned_object_gather_left_on_one_rank(rank, world):
             else:
                 comm.gather_objects(p, name="gather_objects[1]")
     return _until_mismatch(rank, body)
+
+
+# bench/check_stress.py --seed 11 --only-program 2: an all-reduce and an object gather in turn, then
+# every rank switches alike to a loop of 33 (0, 2: all-reduces of two shapes; 1: an object gather)
+_SWITCH = ("21" * 24 + "1212121212121212121212121212020202011021220220122201221002021202010221221010102200100102011"
+           "212020202011021020220122201221002021202010212122101010220100102011212121")
+
+
+def short_plans_left_alike(rank, world, programs=3):
+    """[Note: planned collectives] Plans of a few collectives each (an object gather is never
+    planned), so each round asks for the next stretch at once, and the ranks leave the plan alike
+    many times (the forecast is wrong there on every rank): every rank must make the same rounds
+    whatever the timing (a rank that made one more raised a mismatch). Each program queues every
+    collective, with a rank's own short sleeps, on a group of its own; nothing may raise."""
+    import random
+
+    from zerokern.zero.comm.factory import make_comm
+    os.environ["ZEROKERN_COLLECTIVE_TIMEOUT"] = "30"
+    out = {"error": None, "values": []}
+    for p in range(programs):
+        comm = make_comm(dist.new_group([0, 1]))
+        rng = random.Random(f"{p}/{rank}")
+        works, tensors = [], []
+        try:
+            for k, op in enumerate(_SWITCH):
+                if rng.random() < 0.05:
+                    time.sleep(rng.choice([0.001, 0.01, 0.05]))
+                if op == "1":
+                    comm.gather_objects(k, name="gather_objects[1]")
+                    continue
+                t = torch.full((8 if op == "0" else 5,), float(rank + 1))
+                works.append(comm.all_reduce(t, name=f"all_reduce[{op}]"))
+                tensors.append(t)
+            for w in works:
+                comm.wait(w)
+        except CollectiveMismatch as e:
+            out.update(error=str(e), kind="mismatch")
+            return out
+        out["values"].append(sorted({t[0].item() for t in tensors}))
+    return out

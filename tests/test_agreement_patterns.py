@@ -142,3 +142,9 @@ def test_one_rank_leaving_the_plan_at_an_object_gather_raises_on_every_rank():
                                   "gather_objects[1]", "all_reduce[elsewhere]")
     for out in outs:
         assert out["seconds"] < 20, out["seconds"]
+
+
+def test_short_plans_left_alike_many_times_never_raise():
+    for out in dist_harness.values(dist_harness.run(W.short_plans_left_alike, 2, timeout=120)):
+        assert out["error"] is None, out["error"]
+        assert out["values"] == [[3.0]] * 3, out["values"]

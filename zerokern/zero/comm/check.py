@@ -335,6 +335,9 @@ class CollectiveCheck:
         self._plan = {}  # seq -> checksum: agreed, not queued here yet ([Note: planned collectives])
         self._blocking = set()  # checksums of collectives whose launch blocks (object gathers): never forecast
         self._refill_at = None  # the caller queueing this planned seq asks for the next stretch
+        # The next stretch was asked for and no round has been made since (the thread reads this, not
+        # the _REFILL items, which only wake it: one queued before a round that answered it is stale).
+        self._refill_due = False
         self._made = collections.OrderedDict()  # seq -> (what, checksum, from the plan) launched here lately
         self._in_flight = []  # planned collectives launched, maybe not completed
         self._joined = 0  # the last deviation this rank answered
@@ -426,6 +429,7 @@ class CollectiveCheck:
             self._launched_to = seq
             if seq == self._refill_at:
                 self._refill_at = None
+                self._refill_due = True
                 self._queue.put(_REFILL)
 
     def _stop(self) -> None:
@@ -437,17 +441,16 @@ class CollectiveCheck:
     def _run(self) -> None:
         pending = collections.deque()  # queued, not launched yet, in order
         while True:
-            refill = False
             if not pending:
                 try:
                     item = self._queue.get(timeout=POLL_SECONDS if self.plans else None)
                 except queue.Empty:
                     self._answer_deviation()
                     continue
-                refill |= self._take(item, pending)
+                self._take(item, pending)
             while True:  # [Note: announcing in rounds]: whatever else is queued goes along
                 try:
-                    refill |= self._take(self._queue.get_nowait(), pending)
+                    self._take(self._queue.get_nowait(), pending)
                 except queue.Empty:
                     break
             if self._stopping:
@@ -455,27 +458,31 @@ class CollectiveCheck:
             if self._error is not None:
                 self._fail_all(pending)
                 continue
+            with self._lock:
+                refill, self._refill_due = self._refill_due, False
             if not pending and not refill:
                 continue
             try:
-                if refill and pending and pending[0][0] <= self.forecast.end:
+                while refill and pending and pending[0][0] <= self.forecast.end:
                     # The caller asked for the next stretch, then left the plan: every rank asks
                     # for that stretch in a round of its own (one that followed the plan, or left
-                    # it later, too), so this one does as well, before announcing where it left.
+                    # it later, too), so this one does as well, before announcing where it left;
+                    # and so for the next stretch that round asks for at once (this rank launched
+                    # past its middle already: so did every rank by the time it leaves the plan).
                     self._round(collections.deque())
+                    with self._lock:
+                        refill, self._refill_due = self._refill_due, False
                 self._round(pending)
             except BaseException as e:  # noqa: BLE001  handed to the waiters, and to every later collective
                 self._fail(e, *(pending[0][:2] if pending else (self.forecast.end + 1, "planned collectives")))
             if self._error is not None:
                 self._fail_all(pending)
 
-    def _take(self, item, pending) -> bool:
+    def _take(self, item, pending) -> None:
         """A queued item: the planned collective (launched now), a collective to announce (into
-        pending), or the caller's request for the next stretch of the plan (True)."""
-        if item is _REFILL:
-            return True
-        if item is _STOP:
-            return False
+        pending), or a wake-up (the caller asked for the next stretch: self._refill_due)."""
+        if item is _REFILL or item is _STOP:
+            return
         seq, what, code = item[:3]
         with self._lock:
             planned = not pending and self._plan.get(seq) == code and self._error is None
@@ -488,7 +495,6 @@ class CollectiveCheck:
             self._launch_item(item, planned=True)
         else:
             pending.append(item)
-        return False
 
     def _launch_item(self, item, planned=False) -> None:
         """Launches a queued collective (outside the lock: a launch may block, an object gather).
@@ -598,12 +604,14 @@ class CollectiveCheck:
                 else:
                     self._plan[seq] = code
             self._refill_at = None
+            self._refill_due = False  # asked for before this round, which made one
             # the next stretch, asked for when the caller is half way through this one (if there is a
             # forecast at all: that depends only on what was agreed, so every rank decides alike)
             if agreed and self.plans and self.forecast.ahead((), 1):
                 self._refill_at = self.forecast.end - WINDOW // 2
                 if self._launched_to >= self._refill_at:
                     self._refill_at = None
+                    self._refill_due = True
                     self._queue.put(_REFILL)
         for item, planned_somewhere in launch:  # the caller launches nothing planned until these are (self._unlaunched)
             self._launch_item(item, planned=planned_somewhere)

@@ -300,3 +300,96 @@ def planned_loop_deviating_on_one_rank(rank, world):
     """Rank 1 leaves the plan (its second collective of the last pass is another one) while rank 0
     follows it and waits on the planned collective: both raise, naming both."""
     return _planned_loop(rank, lambda r: ["all_reduce[0]", "all_reduce[elsewhere]" if r == 1 else "all_reduce[1]"])
+
+
+def _until_mismatch(rank, body):
+    """body(comm) on a fresh zerokern Comm (a 30 s timeout: a hang is an error well within the
+    test's); returns the error if one was raised, and the seconds it took."""
+    from zerokern.zero.comm.factory import make_comm
+    os.environ["ZEROKERN_COLLECTIVE_TIMEOUT"] = "30"
+    comm = make_comm()
+    out = {"error": None}
+    t0 = time.time()
+    try:
+        body(comm)
+    except CollectiveMismatch as e:
+        out.update(error=str(e), kind="mismatch")
+    out["seconds"] = time.time() - t0
+    return out
+
+
+def queued_on_one_rank_planned_on_the_other(rank, world):
+    """[Note: planned collectives] A loop runs on a plan, then rank 0 queues a long burst of it
+    at once while rank 1 sleeps, then makes it one at a time: rank 0's rounds announce the
+    collectives past the plan as queued ones, while rank 1 agrees to them as a forecast (planned).
+    Rank 1 then leaves the plan at one of them (rank 0 launched it; it never completes): both
+    raise, naming both, within seconds."""
+    def body(comm):
+        for _ in range(6):
+            for w in [comm.all_reduce(torch.ones(2), name=f"all_reduce[{k}]") for k in range(4)]:
+                comm.wait(w)
+        if rank == 1:
+            time.sleep(2.0)  # rank 0 has queued all 130 by then; its thread waits in a round for rank 1
+        names = [f"all_reduce[{i % 4}]" for i in range(130)]
+        if rank == 1:  # past the stretch planned when rank 0 queued: rank 0 announced it as queued
+            names[125] = "all_reduce[elsewhere]"
+        if rank == 0:
+            for w in [comm.all_reduce(torch.ones(2), name=n) for n in names]:
+                comm.wait(w)
+        else:  # one at a time: its rounds ask for the next stretch, with no collective queued
+            for n in names:
+                comm.wait(comm.all_reduce(torch.ones(2), name=n))
+    return _until_mismatch(rank, body)
+
+
+def planned_object_gather_left_on_one_rank(rank, world):
+    """An object gather in a loop (its launch blocks until every rank made it): where rank 1 makes
+    another collective instead, rank 0 must not sit in the gather; both raise, within seconds."""
+    def body(comm):
+        for p in range(8):
+            comm.wait(comm.all_reduce(torch.ones(2), name="all_reduce[0]"))
+            if rank == 1 and p == 7:
+                comm.wait(comm.all_reduce(torch.ones(2), name="all_reduce[elsewhere]"))
+            else:
+                comm.gather_objects(p, name="gather_objects[1]")
+    return _until_mismatch(rank, body)
+
+
+# bench/check_stress.py --seed 11 --only-program 2: an all-reduce and an object gather in turn, then
+# every rank switches alike to a loop of 33 (0, 2: all-reduces of two shapes; 1: an object gather)
+_SWITCH = ("21" * 24 + "1212121212121212121212121212020202011021220220122201221002021202010221221010102200100102011"
+           "212020202011021020220122201221002021202010212122101010220100102011212121")
+
+
+def short_plans_left_alike(rank, world, programs=3):
+    """[Note: planned collectives] Plans of a few collectives each (an object gather is never
+    planned), so each round asks for the next stretch at once, and the ranks leave the plan alike
+    many times (the forecast is wrong there on every rank): every rank must make the same rounds
+    whatever the timing (a rank that made one more raised a mismatch). Each program queues every
+    collective, with a rank's own short sleeps, on a group of its own; nothing may raise."""
+    import random
+
+    from zerokern.zero.comm.factory import make_comm
+    os.environ["ZEROKERN_COLLECTIVE_TIMEOUT"] = "30"
+    out = {"error": None, "values": []}
+    for p in range(programs):
+        comm = make_comm(dist.new_group([0, 1]))
+        rng = random.Random(f"{p}/{rank}")
+        works, tensors = [], []
+        try:
+            for k, op in enumerate(_SWITCH):
+                if rng.random() < 0.05:
+                    time.sleep(rng.choice([0.001, 0.01, 0.05]))
+                if op == "1":
+                    comm.gather_objects(k, name="gather_objects[1]")
+                    continue
+                t = torch.full((8 if op == "0" else 5,), float(rank + 1))
+                works.append(comm.all_reduce(t, name=f"all_reduce[{op}]"))
+                tensors.append(t)
+            for w in works:
+                comm.wait(w)
+        except CollectiveMismatch as e:
+            out.update(error=str(e), kind="mismatch")
+            return out
+        out["values"].append(sorted({t[0].item() for t in tensors}))
+    return out

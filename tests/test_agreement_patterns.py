@@ -123,3 +123,28 @@ def test_one_rank_leaving_the_plan_raises_on_every_rank():
     for out in outs:
         assert out["values"] == [[3.0] * 4] * 6, out["values"]  # every pass before it completed
         assert out["seconds"] < 20, out["seconds"]
+
+
+def test_one_rank_leaving_a_plan_the_other_announced_raises_on_every_rank():
+    """The collective rank 1 leaves the plan at was queued on rank 0 before the round that agreed
+    it (rank 1 had it as a forecast): rank 0 answers too, so both raise, within seconds (it waited
+    for the timeout, then raised a timeout on each rank)."""
+    outs = _both_raise_a_mismatch(dist_harness.run(W.queued_on_one_rank_planned_on_the_other, 2, timeout=120),
+                                  "all_reduce[1]", "all_reduce[elsewhere]")
+    for out in outs:
+        assert out["seconds"] < 20, out["seconds"]
+
+
+def test_one_rank_leaving_the_plan_at_an_object_gather_raises_on_every_rank():
+    """An object gather is never launched from a plan (its launch blocks: rank 0 sat in it until
+    rank 1 gave up at the timeout and exited)."""
+    outs = _both_raise_a_mismatch(dist_harness.run(W.planned_object_gather_left_on_one_rank, 2, timeout=120),
+                                  "gather_objects[1]", "all_reduce[elsewhere]")
+    for out in outs:
+        assert out["seconds"] < 20, out["seconds"]
+
+
+def test_short_plans_left_alike_many_times_never_raise():
+    for out in dist_harness.values(dist_harness.run(W.short_plans_left_alike, 2, timeout=120)):
+        assert out["error"] is None, out["error"]
+        assert out["values"] == [[3.0]] * 3, out["values"]

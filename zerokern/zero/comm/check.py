@@ -333,7 +333,11 @@ class CollectiveCheck:
                       and os.environ.get("ZEROKERN_PLAN_COLLECTIVES", "1") != "0")
         self.forecast = Forecast()  # every agreed collective; its end is the last agreed sequence number
         self._plan = {}  # seq -> checksum: agreed, not queued here yet ([Note: planned collectives])
+        self._blocking = set()  # checksums of collectives whose launch blocks (object gathers): never forecast
         self._refill_at = None  # the caller queueing this planned seq asks for the next stretch
+        # The next stretch was asked for and no round has been made since (the thread reads this, not
+        # the _REFILL items, which only wake it: one queued before a round that answered it is stale).
+        self._refill_due = False
         self._made = collections.OrderedDict()  # seq -> (what, checksum, from the plan) launched here lately
         self._in_flight = []  # planned collectives launched, maybe not completed
         self._joined = 0  # the last deviation this rank answered
@@ -359,6 +363,12 @@ class CollectiveCheck:
         what = name if tensor is None else f"{name} {tuple(tensor.shape)} {tensor.dtype}"
         code = _code(what)
         with self._lock:
+            if tensor is None:
+                # An object gather's launch blocks until every rank launched it, so one launched from
+                # the plan could not be answered when a rank left it there (the caller would hang
+                # in it): it is never forecast, every rank announces it. Every code a forecast holds
+                # was queued here first, so every rank knows it as blocking before forecasting it.
+                self._blocking.add(code)
             planned = self._plan.pop(seq, None)
             # launched here only when nothing queued before it is still to be launched by the thread
             if planned == code and self._unlaunched == 0 and (tensor is None or not tensor.is_cuda):
@@ -419,6 +429,7 @@ class CollectiveCheck:
             self._launched_to = seq
             if seq == self._refill_at:
                 self._refill_at = None
+                self._refill_due = True
                 self._queue.put(_REFILL)
 
     def _stop(self) -> None:
@@ -430,17 +441,16 @@ class CollectiveCheck:
     def _run(self) -> None:
         pending = collections.deque()  # queued, not launched yet, in order
         while True:
-            refill = False
             if not pending:
                 try:
                     item = self._queue.get(timeout=POLL_SECONDS if self.plans else None)
                 except queue.Empty:
                     self._answer_deviation()
                     continue
-                refill |= self._take(item, pending)
+                self._take(item, pending)
             while True:  # [Note: announcing in rounds]: whatever else is queued goes along
                 try:
-                    refill |= self._take(self._queue.get_nowait(), pending)
+                    self._take(self._queue.get_nowait(), pending)
                 except queue.Empty:
                     break
             if self._stopping:
@@ -448,27 +458,31 @@ class CollectiveCheck:
             if self._error is not None:
                 self._fail_all(pending)
                 continue
+            with self._lock:
+                refill, self._refill_due = self._refill_due, False
             if not pending and not refill:
                 continue
             try:
-                if refill and pending and pending[0][0] <= self.forecast.end:
+                while refill and pending and pending[0][0] <= self.forecast.end:
                     # The caller asked for the next stretch, then left the plan: every rank asks
                     # for that stretch in a round of its own (one that followed the plan, or left
-                    # it later, too), so this one does as well, before announcing where it left.
+                    # it later, too), so this one does as well, before announcing where it left;
+                    # and so for the next stretch that round asks for at once (this rank launched
+                    # past its middle already: so did every rank by the time it leaves the plan).
                     self._round(collections.deque())
+                    with self._lock:
+                        refill, self._refill_due = self._refill_due, False
                 self._round(pending)
             except BaseException as e:  # noqa: BLE001  handed to the waiters, and to every later collective
                 self._fail(e, *(pending[0][:2] if pending else (self.forecast.end + 1, "planned collectives")))
             if self._error is not None:
                 self._fail_all(pending)
 
-    def _take(self, item, pending) -> bool:
+    def _take(self, item, pending) -> None:
         """A queued item: the planned collective (launched now), a collective to announce (into
-        pending), or the caller's request for the next stretch of the plan (True)."""
-        if item is _REFILL:
-            return True
-        if item is _STOP:
-            return False
+        pending), or a wake-up (the caller asked for the next stretch: self._refill_due)."""
+        if item is _REFILL or item is _STOP:
+            return
         seq, what, code = item[:3]
         with self._lock:
             planned = not pending and self._plan.get(seq) == code and self._error is None
@@ -481,10 +495,11 @@ class CollectiveCheck:
             self._launch_item(item, planned=True)
         else:
             pending.append(item)
-        return False
 
     def _launch_item(self, item, planned=False) -> None:
-        """Launches a queued collective (outside the lock: a launch may block, an object gather)."""
+        """Launches a queued collective (outside the lock: a launch may block, an object gather).
+        planned: another rank may hold it as planned, so may leave the plan there (it is then
+        answered, as a collective launched from the plan is: _answer_deviation)."""
         seq, what, code, name, launch, device, mark, queued = item
         try:
             with self._stream(device, mark), record_function(f"zerokern::{name}"):
@@ -494,7 +509,7 @@ class CollectiveCheck:
             queued._failed(self._error)
         with self._lock:
             self._unlaunched -= 1
-            self._remember(seq, what, code)
+            self._remember(seq, what, code, planned)
             if planned:
                 self._in_flight.append(queued)
 
@@ -572,29 +587,34 @@ class CollectiveCheck:
             slots = [(seq, what, code, True) for seq, what, code, *_ in itertools.islice(pending, WINDOW)]
             if self.plans and len(slots) < WINDOW:
                 ahead = self.forecast.ahead([code for _, _, code, _ in slots], WINDOW - len(slots))
+                ahead = list(itertools.takewhile(lambda c: c not in self._blocking, ahead))
                 slots += [(start + len(slots) + i, "", code, False) for i, code in enumerate(ahead)]
-        agreed = self._exchange(start, slots)
+        agreed, forecast_somewhere = self._exchange(start, slots)
         launch = []
         with self._lock:
             if start <= self.forecast.end:  # every rank deviated alike at start: the plan after it is void
                 self.forecast.truncate(start - 1)
                 self._plan.clear()
-            for seq, _, code, _ in slots[:agreed]:
+            for j, (seq, _, code, _) in enumerate(slots[:agreed]):
                 self.forecast.append(code)
                 if pending and pending[0][0] == seq:
-                    launch.append(pending.popleft())
+                    # queued here, only forecast on some other rank: planned there, so that rank
+                    # may leave the plan at it, and this one must answer ([Note: planned collectives])
+                    launch.append((pending.popleft(), forecast_somewhere[j]))
                 else:
                     self._plan[seq] = code
             self._refill_at = None
+            self._refill_due = False  # asked for before this round, which made one
             # the next stretch, asked for when the caller is half way through this one (if there is a
             # forecast at all: that depends only on what was agreed, so every rank decides alike)
             if agreed and self.plans and self.forecast.ahead((), 1):
                 self._refill_at = self.forecast.end - WINDOW // 2
                 if self._launched_to >= self._refill_at:
                     self._refill_at = None
+                    self._refill_due = True
                     self._queue.put(_REFILL)
-        for item in launch:  # the caller launches nothing planned until these are (self._unlaunched)
-            self._launch_item(item)
+        for item, planned_somewhere in launch:  # the caller launches nothing planned until these are (self._unlaunched)
+            self._launch_item(item, planned=planned_somewhere)
         while True:  # queued during the round, planned by it
             with self._lock:
                 if not pending or pending[0][0] not in self._plan or self._error is not None:
@@ -607,9 +627,10 @@ class CollectiveCheck:
                 item = pending.popleft()
             self._launch_item(item, planned=True)
 
-    def _exchange(self, start, slots) -> int:
-        """The all-reduce of one round's ticket: how many leading slots every rank agreed on;
-        raises alike on every rank if they are at different collectives."""
+    def _exchange(self, start, slots):
+        """The all-reduce of one round's ticket: how many leading slots every rank agreed on, and
+        per agreed slot whether some rank had it only as a forecast; raises alike on every rank if
+        they are at different collectives."""
         self.rounds += 1
         mine = [start] + [code for _, _, code, _ in slots] + [0] * (WINDOW - len(slots))
         mine += [int(real) for _, _, _, real in slots] + [0] * (WINDOW - len(slots))
@@ -624,7 +645,7 @@ class CollectiveCheck:
             agreed = 0
             while agreed < len(slots) and codes_bottom[agreed] > 0 and codes_top[agreed] == codes_bottom[agreed]:
                 agreed += 1
-            return agreed
+            return agreed, [bottom[1 + WINDOW + j] == 0 for j in range(agreed)]
         # The rounds start at different places, or every rank queued a different first collective.
         first = bottom[0]
         mine_there = self._made.get(first)

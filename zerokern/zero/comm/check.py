@@ -398,6 +398,8 @@ class CollectiveCheck:
                 raise type(self._error)(*self._error.args) from e
             with self._lock:
                 self._in_flight.append(work)
+                if len(self._in_flight) > 2 * WINDOW:  # waited ones go (the thread prunes only when idle)
+                    self._in_flight = [q for q in self._in_flight if not q.is_completed()]
             return work
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=f"zerokern-collectives-{id(self)}", daemon=True)

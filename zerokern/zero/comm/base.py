@@ -16,6 +16,7 @@ check's thread: it makes a side stream wait for an event recorded on the caller'
 the collective was queued, and launches from that side stream, so the ordering is the same.
 """
 
+import functools
 import os
 import time
 from datetime import timedelta
@@ -43,6 +44,12 @@ class _Done:
         return True
 
 
+@functools.lru_cache(maxsize=8)
+def _delta(seconds) -> timedelta:
+    """(The check's poll interval is made once, not at every wait.)"""
+    return timedelta(seconds=max(seconds, 1e-3))
+
+
 def finished(work, seconds) -> bool:
     """Waits up to `seconds` for a launched collective: True once it completed (a planned one's
     wait checks in between whether the other ranks went elsewhere, comm/check.py)."""
@@ -52,7 +59,7 @@ def finished(work, seconds) -> bool:
     if isinstance(work, dist.Work):
         try:  # a zero timeout would mean none: wait at least a millisecond
             # gloo's send/recv say False on timeout, its collectives raise
-            return work.wait(timedelta(seconds=max(seconds, 1e-3))) is not False
+            return work.wait(_delta(seconds)) is not False
         except RuntimeError as e:
             if "timed out" in str(e).lower():
                 return False

@@ -249,14 +249,18 @@ def _code(what: str) -> int:
     return (1 << 32) | zlib.crc32(what.encode())  # > 0: 0 is an empty slot
 
 
+_LAUNCHED = threading.Event()  # shared by the collectives launched from the plan: set, never cleared
+_LAUNCHED.set()
+
+
 class _Queued:
     """A collective the check's thread launches once every rank announced it, or one launched from
     the plan at once; Work-like. Where plans are on, its wait gives up when the check failed (a
     rank that left the plan will never make it) or it waited past the timeout ([Note: planned
     collectives]); elsewhere (NCCL) a bounded wait would block the host, so it waits as before."""
 
-    def __init__(self, check, seq, what):
-        self._ready = threading.Event()
+    def __init__(self, check, seq, what, launched=False):
+        self._ready = _LAUNCHED if launched else threading.Event()  # a planned one is launched at once
         self._work = None
         self._error = None
         self._check, self._seq, self._what = check, seq, what
@@ -265,7 +269,8 @@ class _Queued:
     def _launched(self, work) -> "_Queued":
         self._work = work
         self.launched_at = time.monotonic()
-        self._ready.set()
+        if self._ready is not _LAUNCHED:
+            self._ready.set()
         return self
 
     def _failed(self, error) -> None:
@@ -392,7 +397,7 @@ class CollectiveCheck:
         if planned is not None:
             try:
                 with record_function(f"zerokern::{name}"):
-                    work = _Queued(self, seq, what)._launched(launch())
+                    work = _Queued(self, seq, what, launched=True)._launched(launch())
             except BaseException as e:  # noqa: BLE001  the others launched it: every later collective fails too
                 self._fail(e, seq, what)
                 raise type(self._error)(*self._error.args) from e

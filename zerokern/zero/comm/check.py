@@ -584,14 +584,13 @@ class CollectiveCheck:
         at different collectives."""
         with self._lock:
             agreed_to = self.forecast.end
+        slots = [(seq, what, code, True) for seq, what, code, *_ in itertools.islice(pending, WINDOW)]
         if pending and pending[0][0] <= agreed_to:
             # deviates from the plan at pending[0]: posted for ranks that followed it, no forecast
             start = pending[0][0]
             _post(self._deviation_key, str(start))
-            slots = [(seq, what, code, True) for seq, what, code, *_ in itertools.islice(pending, WINDOW)]
         else:
             start = agreed_to + 1
-            slots = [(seq, what, code, True) for seq, what, code, *_ in itertools.islice(pending, WINDOW)]
             if self.plans and len(slots) < WINDOW:
                 ahead = self.forecast.ahead([code for _, _, code, _ in slots], WINDOW - len(slots))
                 ahead = list(itertools.takewhile(lambda c: c not in self._blocking, ahead))

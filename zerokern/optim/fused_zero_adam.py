@@ -52,7 +52,7 @@ class FusedZeroAdam(EngineOptimizer):
                   adam_w_mode=True, bias_correction=True, zero_stage=None, process_group=None,
                   bucket_cap_mb=None, overlap_comm=None, max_grad_norm=None, backend="auto", offload=None,
                   overlap_param_gather=None, state_precision="fp32", master_weights=True, rounding_seed=0,
-                  mesh=None)
+                  mesh=None, reduce_precision=None, gather_precision=None)
 
     state_precision ("fp32", "bf16", "int8") and master_weights (False: bf16 params without fp32
     masters, stochastically rounded) cut the optimizer state to 2.03 bytes per param at the least
@@ -71,7 +71,8 @@ class FusedZeroAdam(EngineOptimizer):
     the default group if torch.distributed is initialized, else one process),
     bucket_cap_mb (25), overlap_comm (True), mesh (None, or hybrid sharding over a
     (replicate, shard) DeviceMesh or pair of sizes: [Note: hybrid sharding]), offload (None, or
-    zerokern.OffloadPolicy()) and overlap_param_gather (False). Stage 1 shards
+    zerokern.OffloadPolicy()), overlap_param_gather (False), reduce_precision and gather_precision
+    (None; zerokern.shard() says what they do). Stage 1 shards
     the fp32 master weights and Adam state; stage 2 also the gradients: on
     several ranks each bucket's full gradient buffer is freed as soon as its
     reduction completes, so a rank holds its reduced shards plus a few buckets
@@ -117,7 +118,8 @@ class FusedZeroAdam(EngineOptimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=None, *, adam_w_mode=True,
                  bias_correction=True, zero_stage=None, process_group=None, bucket_cap_mb=None, overlap_comm=None,
                  max_grad_norm=None, backend="auto", offload=None, overlap_param_gather=None,
-                 state_precision="fp32", master_weights=True, rounding_seed=0, mesh=None):
+                 state_precision="fp32", master_weights=True, rounding_seed=0, mesh=None, reduce_precision=None,
+                 gather_precision=None):
         if weight_decay is None:  # the defaults of the classes users swap out: AdamW 0.01, Adam 0
             weight_decay = 0.01 if adam_w_mode else 0.0
         check_hyper(lr, betas, eps, weight_decay)
@@ -135,6 +137,7 @@ class FusedZeroAdam(EngineOptimizer):
         self.engine = ZeroEngine(self, [g["params"] for g in self.param_groups], names, zero_stage=zero_stage,
                                  process_group=process_group, bucket_cap_mb=bucket_cap_mb, overlap_comm=overlap_comm,
                                  offload=offload, overlap_param_gather=overlap_param_gather, mesh=mesh,
+                                 reduce_precision=reduce_precision, gather_precision=gather_precision,
                                  what="FusedZeroAdam", options=repr((self.options, self.state_policy)),
                                  state=None if self.state_policy.plain else self.state_policy)
         trainable = self.engine.trainable

@@ -37,12 +37,13 @@ from .zero_setup import validated_groups
 _ELEMENTWISE = {getattr(torch.optim, n) for n in ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "NAdam",
                                                    "RAdam", "Adadelta", "ASGD", "Rprop") if hasattr(torch.optim, n)}
 _SHARDING = ("zero_stage", "process_group", "bucket_cap_mb", "overlap_comm", "offload", "overlap_param_gather",
-             "mesh")
+             "mesh", "reduce_precision", "gather_precision")
 
 
 class ZeroOptimizer(EngineOptimizer):
     """ZeroOptimizer(params, optimizer_class, *, zero_stage=None, process_group=None, bucket_cap_mb=None,
-    overlap_comm=None, offload=None, overlap_param_gather=None, mesh=None, max_grad_norm=None, elementwise=None,
+    overlap_comm=None, offload=None, overlap_param_gather=None, mesh=None, reduce_precision=None,
+    gather_precision=None, max_grad_norm=None, elementwise=None,
     **defaults)
 
     Trains params with optimizer_class(**defaults) on this rank's fp32 shards (see the module

@@ -67,7 +67,8 @@ def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket
           overlap_comm: bool = True, offload: Optional[OffloadPolicy] = None,
           overlap_param_gather: bool = False, reshard_after_forward: bool = True, device=None,
           init: Optional[Callable[[torch.nn.Module], None]] = None, state_precision: str = "fp32",
-          mesh=None) -> torch.nn.Module:
+          mesh=None, reduce_precision: Optional[str] = None,
+          gather_precision: Optional[str] = None) -> torch.nn.Module:
     """Make `module` a unit: its trainable params not owned by a unit inside it are
     flattened into buckets that one FusedZeroAdam (built later over the params)
     reduces, updates and gathers. Call it on each block, then on the root. Returns
@@ -85,14 +86,19 @@ def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket
     blocks of 256 elements ([Note: int8 shards in blocks] in zero/state/lowbit_store.py), so pass the
     same value to FusedZeroAdam. mesh: hybrid sharding, sharded within each host and replicated across
     hosts: a 2-D DeviceMesh with dims ("replicate", "shard") as FSDP2's HSDP takes, or a (replicate,
-    shard) pair of sizes (the same on every shard() call; [Note: hybrid sharding] in zero/comm/hybrid.py)."""
+    shard) pair of sizes (the same on every shard() call; [Note: hybrid sharding] in zero/comm/hybrid.py).
+    reduce_precision (None, "fp32", "bf16", "int8", "int4"): what the grads travel in when they are
+    reduced; int8/int4 are blockwise codes summed after decoding, with error feedback ([Note: quantized
+    reductions] in zero/comm/wire.py). With a mesh only the hop between hosts is quantized.
+    gather_precision (None, "int8"): what gathered params travel in. The same on every shard() call."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"shard() takes an nn.Module, got {type(module).__name__}")
     if isinstance(module, ZeroModule):
         raise ValueError(f"{type(module).__name__} is already sharded (zerokern.shard was called on it)")
     align = StatePolicy(state_precision).align  # validates it
     config = ShardConfig(stage, bucket_cap_mb, overlap_comm, offload, overlap_param_gather=overlap_param_gather,
-                         reshard_after_forward=reshard_after_forward, **({} if align is None else {"align": align}))
+                         reshard_after_forward=reshard_after_forward, reduce_precision=reduce_precision,
+                         gather_precision=gather_precision, **({} if align is None else {"align": align}))
     if init is not None and not callable(init):
         raise TypeError(f"init must be a callable taking the module, got {type(init).__name__}")
     comm = comm_for(process_group, mesh, _device_type(module, device))

@@ -33,7 +33,8 @@ from .unit import check_free, forward_order, make_unit, owner_of, unit_of  # noq
 class ZeroEngine:
     def __init__(self, optimizer, groups, names, *, zero_stage=None, process_group=None, bucket_cap_mb=None,
                  overlap_comm=None, offload=None, overlap_param_gather=None, state_keys=("exp_avg", "exp_avg_sq"),
-                 what="FusedZeroAdam", options="", state=None, mesh=None):
+                 what="FusedZeroAdam", options="", state=None, mesh=None, reduce_precision=None,
+                 gather_precision=None):
         """groups: the param groups' param lists (validated); names: {param: name} where known.
         state_keys: the state tensors each store keeps per shard (the optimizer's own). state: a
         StatePolicy (core/stage.py) for low-bit state or params without masters, else None."""
@@ -45,7 +46,8 @@ class ZeroEngine:
         loose = [p for p in self.trainable if unit_of(p) is None]
         self.comm, config = sharding(owned, zero_stage, process_group, bucket_cap_mb, overlap_comm, offload,
                                      overlap_param_gather, state.align if state is not None else None, mesh,
-                                     self.trainable[0].device.type if self.trainable else "cpu")
+                                     self.trainable[0].device.type if self.trainable else "cpu", reduce_precision,
+                                     gather_precision)
         self.strategy = strategy = config.strategy(self.comm.world_size)  # strategy.stage: the stage as given
         index = {p: k for k, p in enumerate(all_params)}
         if loose and (config.overlap_param_gather or strategy.needs_units):
@@ -140,7 +142,7 @@ class ZeroEngine:
             self.param_gather.updated()  # _prepare waited for the last step's gathers
         self.flags.last_step_skipped = bool(step.skip and any(step.had))
         self.flags.new_round()
-        self.schedule.end_round(release=self.strategy.frees_grads_after_step)
+        self.schedule.end_round(release=self.strategy.frees_grads_after_step, updated=step.updates)
         if self.strategy.frees_grads_after_step:  # [Note: grads after step] in grads/placeholder.py
             for u in self.units:
                 for f in u.flat:
@@ -268,7 +270,7 @@ class ZeroEngine:
 
     def memory_report(self):
         """Bytes this rank holds, by kind."""
-        rep = {"params": 0, "master_params": 0, "adam_state": 0, "grads": 0, "comm_buffers": 0}
+        rep = {"params": 0, "master_params": 0, "adam_state": 0, "grads": 0, "comm_buffers": 0, "error_feedback": 0}
         for s in self.stores:
             rep["params"] += s.flat.params_policy.param_bytes(s.flat, s.b)
             for d in (s.nbytes(), s.bucket.nbytes()):

@@ -11,7 +11,7 @@ from .core.stage import ShardConfig, optimizer_stage
 
 
 def sharding(units, zero_stage, process_group, bucket_cap_mb, overlap_comm, offload, overlap_param_gather,
-             align=None, mesh=None, device_type="cpu"):
+             align=None, mesh=None, device_type="cpu", reduce_precision=None, gather_precision=None):
     """(Comm, ShardConfig) for the params: the units' own, or one from the arguments. align: the
     element multiple the state needs its shards in (int8 state: its blocks), or None."""
     if units:
@@ -25,7 +25,9 @@ def sharding(units, zero_stage, process_group, bucket_cap_mb, overlap_comm, offl
         config = units[0].config
         given = {"zero_stage": (zero_stage, config.stage), "bucket_cap_mb": (bucket_cap_mb, config.bucket_cap_mb),
                  "overlap_comm": (overlap_comm, config.overlap_comm), "offload": (offload, config.offload),
-                 "overlap_param_gather": (overlap_param_gather, config.overlap_param_gather)}
+                 "overlap_param_gather": (overlap_param_gather, config.overlap_param_gather),
+                 "reduce_precision": (reduce_precision, config.reduce_precision),
+                 "gather_precision": (gather_precision, config.gather_precision)}
         for name, (mine, theirs) in given.items():
             if mine is not None and mine != theirs:
                 raise ValueError(f"zerokern: FusedZeroAdam({name}={mine!r}), but zerokern.shard() set {theirs!r} "
@@ -48,7 +50,8 @@ def sharding(units, zero_stage, process_group, bucket_cap_mb, overlap_comm, offl
     return comm, ShardConfig(stage, 25.0 if bucket_cap_mb is None else bucket_cap_mb,
                              True if overlap_comm is None else overlap_comm, offload,
                              **({} if align is None else {"align": align}),
-                             overlap_param_gather=False if overlap_param_gather is None else overlap_param_gather)
+                             overlap_param_gather=False if overlap_param_gather is None else overlap_param_gather,
+                             reduce_precision=reduce_precision, gather_precision=gather_precision)
 
 
 def _differences(units):

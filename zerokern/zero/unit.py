@@ -64,7 +64,7 @@ class FlatParams:
         # while the unit is gathered)
         self.param_shards: List[torch.Tensor] = [self.param_bufs.shard(self.rank, b)
                                                  for b in range(len(self.layout.buckets))]
-        self.buckets = grads.make_buckets(self, comm, strategy)
+        self.buckets = grads.make_buckets(self, comm, strategy, config.reduce_precision)
         self.changed = set()  # params adopted with new values since the stores last looked
         for i, m in enumerate(self.members):
             if m.param.grad is None:

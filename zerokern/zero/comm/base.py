@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from . import wire as wire_comm
+
 
 # torch 2.14 renamed the flat-tensor collectives; 2.11 has only the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -111,6 +113,12 @@ class Comm:
         return self.world_size
 
     @property
+    def wire_rank(self) -> int:
+        """What keys this rank's rounding of quantized grads ([Note: quantized reductions]): ranks
+        that quantize in one collective must differ, or their errors would not average out."""
+        return self.rank
+
+    @property
     def leads(self) -> bool:
         """The one rank that gets what is handed to one rank (a full state dict)."""
         return self.rank == 0
@@ -120,7 +128,7 @@ class Comm:
         """The group the state is sharded over: this one (hybrid sharding: the mesh's shard group)."""
         return self
 
-    def _launch(self, name, tensor, start):
+    def _launch(self, name, tensor, start, blocks=False):
         """Every collective enters here once: start(group) launches it (async) on `group` and
         returns its Work. With the check on, it is announced to the other ranks first and
         launched, in order, by the check's thread on zerokern's own group ([Note: announced
@@ -133,25 +141,61 @@ class Comm:
                                "one; build a new optimizer after init_process_group()")
         if self.check is not None:
             data = self.check.data
-            return self.check.submit(name, tensor, lambda: start(data))
+            return self.check.submit(name, tensor, lambda: start(data), blocks=blocks)
         with record_function(f"zerokern::{name}"):
             return start(self.group)
 
-    def reduce_scatter(self, output, input, name="reduce_scatter"):
-        """Async SUM reduce-scatter of `input` (world_size * output.numel()) into `output`."""
+    def reduce_scatter(self, output, input, name="reduce_scatter", wire=None):
+        """Async SUM reduce-scatter of `input` (world_size * output.numel()) into `output`. wire: a
+        bucket's GradWire (comm/wire.py) when its grads travel in another precision."""
         if not self.distributed:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return _Done()
+        if wire is not None:
+            return self._wired_reduce_scatter(output, input, name, wire)
         return self._launch(name, input, lambda g: _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=g,
                                                                     async_op=True))
 
-    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, name="all_reduce", across=None):
-        """across: the part of `tensor` still needed after (grads: this rank's range); only
-        hybrid sharding reads it ([Note: hybrid sharding])."""
+    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, name="all_reduce", across=None, wire=None):
+        """across: the part of `tensor` still needed after (grads: this rank's range); hybrid
+        sharding reads it ([Note: hybrid sharding]), and a quantized reduction that needs only
+        this rank's range reduce-scatters into it. wire: as reduce_scatter's."""
         if not self.distributed:
             return _Done()
+        if wire is not None:
+            return self._wired_all_reduce(tensor, name, across, wire)
         return self._launch(name, tensor, lambda g: dist.all_reduce(tensor, op=op, group=g, async_op=True))
+
+    def _wired_reduce_scatter(self, output, input, name, w):
+        """[Note: quantized reductions] (comm/wire.py); a cast for fp32/bf16."""
+        if w.bits is None:
+            return self._cast(lambda o, i: self.reduce_scatter(o, i, name), output, input, w.dtype)
+        return self._launch(name, input, lambda g: wire_comm.reduce_scatter(output, input, g, self.rank,
+                                                                              self.world_size, w))
+
+    def _wired_all_reduce(self, tensor, name, across, w):
+        if w.bits is None:
+            return self._cast(lambda o, i: self.all_reduce(i, name=name), tensor, tensor, w.dtype)
+        if across is not None and across is not tensor and self._is_my_range(tensor, across):
+            return self._wired_reduce_scatter(across, tensor, name, w)
+        return self._launch(name, tensor, lambda g: wire_comm.all_reduce(tensor, g, self.rank, self.world_size, w),
+                            blocks=self.world_size > 2)
+
+    def _is_my_range(self, tensor, part) -> bool:
+        """part is this rank's 1/world_size of tensor (a bucket's range)."""
+        n = part.numel()
+        return (tensor.numel() == n * self.world_size and part.is_contiguous()
+                and part.data_ptr() == tensor.data_ptr() + self.rank * n * tensor.element_size())
+
+    @staticmethod
+    def _cast(run, output, input, dtype):
+        """run(output, input) in `dtype`: the reduction of a copy, written back when waited for."""
+        if input.dtype == dtype and output.dtype == dtype:
+            return run(output, input)
+        i = input.to(dtype)
+        o = i if output is input else torch.empty(output.shape, dtype=dtype, device=output.device)
+        return wire_comm.Finish(run(o, i), lambda: output.copy_(o))
 
     def all_gather(self, output, input, name="all_gather"):
         """Async all-gather of every rank's `input` into `output` (input may be output's own slice)."""

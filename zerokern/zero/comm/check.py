@@ -357,10 +357,10 @@ class CollectiveCheck:
         self._deviation_key = _DEVIATION_KEY + self.control.group_name  # the same on every member
         _install_excepthook()  # [Note: the cause, on every rank]
 
-    def submit(self, name: str, tensor, launch):
+    def submit(self, name: str, tensor, launch, blocks: bool = False):
         """Queue launch() (which starts the collective on self.data and returns its Work) behind
         its announcement, or launch it now if it is the planned one; the Work-like answer waits
-        for both."""
+        for both. blocks: launch() returns only when the collective is done (as an object gather)."""
         if self._error is not None:
             raise type(self._error)(*self._error.args)
         self.seq += 1
@@ -368,7 +368,7 @@ class CollectiveCheck:
         what = name if tensor is None else f"{name} {tuple(tensor.shape)} {tensor.dtype}"
         code = _code(what)
         with self._lock:
-            if tensor is None:
+            if tensor is None or blocks:
                 # An object gather's launch blocks until every rank launched it, so one launched from
                 # the plan could not be answered when a rank left it there (the caller would hang
                 # in it): it is never forecast, every rank announces it. Every code a forecast holds

@@ -227,7 +227,9 @@ class GlooComm(Comm):
         self.prefers_all_reduce = not self.exchange_reduce and not self.across_hosts
         self.broadcast_gather = True
 
-    def reduce_scatter(self, output, input, name="reduce_scatter"):
+    def reduce_scatter(self, output, input, name="reduce_scatter", wire=None):
+        if wire is not None:  # an all-to-all of quantized chunks, or a cast ([Note: quantized reductions])
+            return super().reduce_scatter(output, input, name, wire)
         if self.exchange_reduce and output.is_contiguous():
             return self._launch(name, input, lambda g: self._exchange(output, input, g))
         if self._relays(output, input) and input.numel() == output.numel() * self.world_size:

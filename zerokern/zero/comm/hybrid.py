@@ -21,6 +21,8 @@ from typing import Tuple
 
 import torch.distributed as dist
 
+from . import wire as wire_comm
+
 
 NAMES = ("replicate", "shard")
 # the DeviceMesh zerokern made for a (replicate, shard) pair, per default group (a new
@@ -108,6 +110,12 @@ class HybridComm:
         return self.world.world_size
 
     @property
+    def wire_rank(self) -> int:
+        """Only the replica all-reduce is quantized: its ranks differ by host. The ranks of one host
+        round alike, so at stage 0, where each sends the same whole bucket, every rank ends alike."""
+        return self.replicas.rank
+
+    @property
     def leads(self) -> bool:
         return self.world.rank == 0
 
@@ -115,24 +123,31 @@ class HybridComm:
     def wait_seconds(self) -> float:
         return self.shards.wait_seconds  # wait() below adds every wait there
 
-    def _across(self, first, part, name):
-        """`first` (a shard-group collective whose result is `part`), then `part` summed across the replicas."""
+    def _across(self, first, part, name, w=None):
+        """`first` (a shard-group collective whose result is `part`), then `part` summed across the
+        replicas; w: its GradWire, if the grads cross hosts in another precision (only this hop is
+        quantized: [Note: quantized reductions] in comm/wire.py)."""
         r, name = self.replicas, f"{name}/replicas"
         h = r.world_size
-        self.inter_host_bytes += part.numel() * part.element_size() * 2 * (h - 1) // h
+        self.inter_host_bytes += wire_comm.all_reduce_bytes(part, h, w)
         if r.check is not None:
-            return r._launch(name, part, lambda g: (first.wait(), dist.all_reduce(part, group=g, async_op=True))[1])
-        return _Then(first, lambda: r.all_reduce(part, name=name))
+            if w is not None and w.bits is not None:
+                return r._launch(name, part, lambda g: (first.wait(), wire_comm.all_reduce(part, g, r.rank, h, w))[1],
+                                 blocks=h > 2)
+            if w is None:
+                return r._launch(name, part,
+                                 lambda g: (first.wait(), dist.all_reduce(part, group=g, async_op=True))[1])
+        return _Then(first, lambda: r.all_reduce(part, name=name, wire=w))
 
-    def reduce_scatter(self, output, input, name="reduce_scatter"):
-        return self._across(self.shards.reduce_scatter(output, input, name), output, name)
+    def reduce_scatter(self, output, input, name="reduce_scatter", wire=None):
+        return self._across(self.shards.reduce_scatter(output, input, name), output, name, wire)
 
-    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, name="all_reduce", across=None):
+    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, name="all_reduce", across=None, wire=None):
         """Over the whole mesh. across: grads, of which only this part is needed after (this
         rank's range of a bucket): summed in the shard group, then that part across replicas."""
         if across is None:
             return self.world.all_reduce(tensor, op=op, name=name)
-        return self._across(self.shards.all_reduce(tensor, op=op, name=name), across, name)
+        return self._across(self.shards.all_reduce(tensor, op=op, name=name), across, name, wire)
 
     def all_gather(self, output, input, name="all_gather"):
         return self.shards.all_gather(output, input, name)

@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from ...kernels import lowbit
+from ..comm.wire import check_precisions
 
 
 class GradMode(enum.Enum):
@@ -69,10 +70,14 @@ class ShardConfig:
     align: int = 16
     overlap_param_gather: bool = False  # [Note: gather behind forward] in params/gather.py
     reshard_after_forward: bool = True  # stage 3 only
+    # [Note: quantized reductions] in comm/wire.py: what grads and gathered params travel in (None: as they are)
+    reduce_precision: Optional[str] = None
+    gather_precision: Optional[str] = None
 
     def __post_init__(self):
         if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
             raise ValueError(f"stage must be 0, 1, 2 or 3, got {self.stage!r}")
+        check_precisions(self.reduce_precision, self.gather_precision)
         if not isinstance(self.reshard_after_forward, bool):
             raise TypeError(f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}")
         if self.stage == 3 and self.overlap_param_gather:

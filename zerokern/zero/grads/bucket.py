@@ -40,12 +40,14 @@ class GradBucket:
 
     draws_from_pool = False  # the full buffer is its own, kept until step()/zero_grad()
 
-    def __init__(self, layout: FlatLayout, plan: Bucket, dtype, device, comm, rank: int, scatters: bool, name: str):
+    def __init__(self, layout: FlatLayout, plan: Bucket, dtype, device, comm, rank: int, scatters: bool, name: str,
+                 wire=None):
         self.layout, self.plan = layout, plan
         self.dtype, self.device = dtype, device
         self.comm, self.rank = comm, rank
         self.scatters = scatters  # reduce-scatter into self.shard (stages 1/2, world > 1); else all-reduce in place
         self.name = name  # for errors and profiler labels
+        self.wire = wire  # a GradWire (comm/wire.py) when the grads travel in another precision, else None
         self.full: Optional[torch.Tensor] = None
         self._reduced_view: Optional[torch.Tensor] = None
         self.shard = torch.zeros(plan.shard_numel, dtype=dtype, device=device) if scatters else None
@@ -141,10 +143,12 @@ class GradBucket:
         # In place (stage 0) the buffer holds averages after the first reduction, also for a
         # member this rank had no grad for: zeroing it again would drop the other ranks' part.
         full = self._begin_launch(zero_missing=self.scatters or not self.reduced_in_round)
+        if self.wire is not None:  # stage 1's second reduction replaces the first ([Note: error feedback])
+            self.wire.replaces = self.scatters
         if self.scatters:
-            self.work = self.comm.reduce_scatter(self.shard, full, name=f"reduce_scatter[{self.name}]")
+            self.work = self.comm.reduce_scatter(self.shard, full, name=f"reduce_scatter[{self.name}]", wire=self.wire)
         else:
-            self.work = self.comm.all_reduce(full, name=f"all_reduce[{self.name}]", across=full)
+            self.work = self.comm.all_reduce(full, name=f"all_reduce[{self.name}]", across=full, wire=self.wire)
         self.state = BucketState.IN_FLIGHT
 
     def _begin_launch(self, zero_missing: bool) -> torch.Tensor:
@@ -220,7 +224,16 @@ class GradBucket:
         if was_known:
             self.note_write()
 
+    def settle_wire(self, updated: bool) -> None:
+        """The round's error feedback is kept if its step updated, else dropped ([Note: error feedback])."""
+        if self.wire is not None:
+            self.wire.settle(updated)
+
     def nbytes(self) -> dict:
         full = 0 if self.full is None else self.full.numel() * self.full.element_size()
         shard = 0 if self.shard is None else self.shard.numel() * self.shard.element_size()
-        return {"grads": full + shard, "comm_buffers": 0}  # the reduced shard is a gradient too
+        # the reduced shard is a gradient too
+        return {"grads": full + shard, "comm_buffers": 0, "error_feedback": self._wire_nbytes()}
+
+    def _wire_nbytes(self) -> int:
+        return 0 if self.wire is None else self.wire.nbytes()

@@ -23,6 +23,7 @@ ReleasedGrads, stages 2 and 3 on several ranks: [Note: stage-2 memory] (released
 
 import torch
 
+from ..comm.wire import GradWire
 from ..core.stage import GradMode, Strategy
 from ..core.states import BucketState
 from .bucket import GradBucket
@@ -35,6 +36,14 @@ def _bucket_name(flat, b) -> str:
     return f"{flat.unit_name}:{str(flat.dtype).replace('torch.', '')}:{b.index}"
 
 
+def _wire(comm, precision, flat, b):
+    """The bucket's GradWire ([Note: quantized reductions] in comm/wire.py), None where its grads
+    travel as they are (or do not travel: one process). Its rounding is keyed by comm.wire_rank."""
+    if precision is None or not comm.distributed:
+        return None
+    return GradWire(precision, _bucket_name(flat, b), comm.wire_rank)
+
+
 def note_stale(flat, i: int) -> None:
     """A backward adding to a grad step() had consumed and freed (stages 2/3) cannot give torch's
     numbers: the bucket notes it and step() raises on every rank ([Note: grads after step])."""
@@ -44,9 +53,9 @@ def note_stale(flat, i: int) -> None:
 
 
 class LocalGrads:
-    def make_buckets(self, flat, comm, strategy):
+    def make_buckets(self, flat, comm, strategy, reduce_precision=None):
         return [GradBucket(flat.layout, b, flat.dtype, flat.device, comm, flat.rank, strategy.reduce_scatters,
-                           _bucket_name(flat, b)) for b in flat.layout.buckets]
+                           _bucket_name(flat, b), _wire(comm, reduce_precision, flat, b)) for b in flat.layout.buckets]
 
     def before_accumulate(self, flat, i: int) -> None:
         m, bucket = flat.members[i], flat.bucket_of(i)
@@ -98,9 +107,9 @@ def grad_path(strategy: Strategy):
 class ReleasedGrads:
     """Stages 2/3 on several ranks ([Note: stage-2 memory], [Note: stage-2 .grad])."""
 
-    def make_buckets(self, flat, comm, strategy):
+    def make_buckets(self, flat, comm, strategy, reduce_precision=None):
         return [ReleasingGradBucket(flat.layout, b, flat.dtype, flat.device, comm, flat.rank, True,
-                                    _bucket_name(flat, b))
+                                    _bucket_name(flat, b), _wire(comm, reduce_precision, flat, b))
                 for b in flat.layout.buckets]
 
     # --- the bucket's transitions ([Note: stage-2 memory] in released.py) ------------------

@@ -146,10 +146,10 @@ class ReleasingGradBucket(GradBucket):
         name = self.name
         if self.comm.prefers_all_reduce:
             self._scratch = full[self._range[0]:self._range[1]]
-            self.work = self.comm.all_reduce(full, name=f"all_reduce[{name}]", across=self._scratch)
+            self.work = self.comm.all_reduce(full, name=f"all_reduce[{name}]", across=self._scratch, wire=self.wire)
         else:
             self._scratch = torch.empty_like(self.shard) if self.has_reduced else self.shard
-            self.work = self.comm.reduce_scatter(self._scratch, full, name=f"reduce_scatter[{name}]")
+            self.work = self.comm.reduce_scatter(self._scratch, full, name=f"reduce_scatter[{name}]", wire=self.wire)
         self.state = BucketState.IN_FLIGHT
         self.overflow = None  # the shard changes: a flag agreed before no longer holds
 
@@ -191,4 +191,5 @@ class ReleasingGradBucket(GradBucket):
 
     def nbytes(self) -> dict:
         full = 0 if self.full is None else self.full.numel() * self.full.element_size()
-        return {"grads": full + self.shard.numel() * self.shard.element_size(), "comm_buffers": 0}
+        return {"grads": full + self.shard.numel() * self.shard.element_size(), "comm_buffers": 0,
+                "error_feedback": self._wire_nbytes()}

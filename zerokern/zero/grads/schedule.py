@@ -135,9 +135,11 @@ class ReduceSchedule:
             for f, b in self._pairs():
                 self.path.settle(f, b)
 
-    def end_round(self, release: bool) -> None:
+    def end_round(self, release: bool, updated: bool = True) -> None:
+        """updated: the step changed the params (its round's error feedback is kept)."""
         for f, b in self._pairs():
             self.path.end_round(f, b, release)
+            b.settle_wire(updated)
         self._in_flight.clear()
         self._next = 0
         self.state = BackwardState.IDLE
@@ -146,6 +148,7 @@ class ReduceSchedule:
         self.reset()
         for f, b in self._pairs():
             self.path.zero(f, b, set_to_none)
+            b.settle_wire(False)  # grads dropped before a step: so is what their rounding lost
         self._in_flight.clear()
         self._next = 0
         self.state = BackwardState.IDLE

@@ -1,0 +1,270 @@
+"""Gradient reductions in a lower precision than the grads: what a bucket sends (GradWire, with
+its error feedback) and the collectives that send it (reduce_scatter, all_reduce below).
+
+[Note: quantized reductions] reduce_precision="int8"/"int4" ([Note: the wire format] in
+kernels/wire.py) sends each rank's grads as blockwise codes and sums them only after decoding,
+in fp32, by the rank that needs the sum: a reduce-scatter is one all-to-all of the quantized
+chunks (each rank keeps its own chunk exact: it never leaves the rank), never a ring that
+re-quantizes partial sums at every hop (ZeRO++'s qgZ does the same with an all-to-all). An
+all-reduce, whose sum every rank needs:
+- on 2 ranks, one all-gather of each rank's whole quantized tensor, every rank decoding both in
+  rank order: the same bytes as the two-phase ring, and no second rounding;
+- on more, the reduce-scatter above, then each rank quantizes its chunk of the sum and the chunks
+  are all-gathered. Every rank, the owner too, takes the decoded bytes, so every rank holds the
+  same sum (hybrid sharding's replicas must do the same update).
+Sums are taken in rank order, so a result is the same whatever order the bytes arrive in.
+
+[Note: error feedback] What quantization loses is kept by the rank that lost it and added to
+what it sends next time (Seide et al. 2014; Karimireddy et al., "Error Feedback Fixes SignSGD",
+2019), so the rounding errors do not pile up across steps: over many steps the params move by
+the sum of the true grads, up to one step's rounding. A bucket keeps one residual for what it
+sends (the size of what it quantizes: the whole bucket in a flat group; its shard with hybrid
+sharding, where only the replica all-reduce is quantized) and, on more than 2 ranks of an
+all-reduce, one for its chunk of the sum. Residuals are kept in bf16 (they are below one
+quantization step, so bf16's 8 bits of mantissa lose nothing that matters) and counted by
+memory_report() as "error_feedback". A round's residual is pending until step(): it becomes the
+one the next round adds when the step updates, and is dropped when the step is skipped (an
+inf/nan on some rank) or the grads are zeroed without a step, so a skipped step loses nothing,
+the residual it consumed included. A second reduction of the same bucket in one round (a
+second synced backward at stage 2/3, a grad that came after the launch) adds the pending
+residual, as it adds to what the first one sent; at stage 1, whose second reduction replaces
+the first, it adds the committed one again.
+"""
+
+import zlib
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ...kernels import wire
+
+# torch 2.14 renamed the flat-tensor all-gather; 2.11 has only the old name
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+REDUCE_PRECISIONS = (None, "fp32", "bf16", "int8", "int4")
+GATHER_PRECISIONS = (None, "int8")
+_BITS = {"int8": 8, "int4": 4}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+RESIDUAL_DTYPE = torch.bfloat16
+
+
+def check_precisions(reduce_precision, gather_precision) -> None:
+    """A ValueError naming the choices for a value that is not one."""
+    if reduce_precision not in REDUCE_PRECISIONS:
+        raise ValueError(f"zerokern: reduce_precision={reduce_precision!r}; choose one of {REDUCE_PRECISIONS} (None: "
+                         "the grads' own dtype)")
+    if gather_precision not in GATHER_PRECISIONS:
+        raise ValueError(f"zerokern: gather_precision={gather_precision!r}; choose one of {GATHER_PRECISIONS} "
+                         "(None: the params' own dtype)")
+
+
+class Residual:
+    """One residual of [Note: error feedback]: the committed one and this round's pending one."""
+
+    def __init__(self):
+        self.committed: Optional[torch.Tensor] = None
+        self.pending: Optional[torch.Tensor] = None
+
+    def take(self, numel: int, device, replaces: bool) -> Optional[torch.Tensor]:
+        """What to add to this reduction's input (None: nothing yet)."""
+        r = self.committed if replaces or self.pending is None else self.pending
+        if r is not None and r.numel() != numel:
+            raise RuntimeError(f"zerokern internal error: a residual of {r.numel()} elements for {numel}")
+        return r
+
+    def keep(self, error: torch.Tensor) -> None:
+        if self.pending is None or self.pending is self.committed:
+            self.pending = torch.empty(error.numel(), dtype=RESIDUAL_DTYPE, device=error.device)
+        self.pending.copy_(error)
+
+    def settle(self, updated: bool) -> None:
+        if updated and self.pending is not None:
+            self.committed, self.pending = self.pending, self.committed
+        self.pending = None
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.committed, self.pending) if t is not None)
+
+
+class GradWire:
+    """How one bucket's grads travel when reduce_precision is set: cast to a dtype (fp32, bf16),
+    or quantized (int8, int4) with error feedback. `name` and `rank` key the random stream of the
+    rounding, with a count of the bucket's reductions ([Note: reproducible rounding])."""
+
+    def __init__(self, precision: str, name: str, rank: int, seed: int = 0):
+        self.precision = precision
+        self.bits = _BITS.get(precision)
+        self.dtype = _DTYPES.get(precision)
+        self.seed = seed
+        # a stream per (rank, bucket): ranks must not round alike, or their errors would not average out
+        self.base = (rank << 48) | ((zlib.crc32(name.encode()) & 0xFFFF) << 32)
+        self.count = 0  # reductions so far: the Philox counter's step word
+        self.sent, self.summed = Residual(), Residual()
+        self.replaces = False  # set by the bucket per launch ([Note: error feedback], stage 1)
+
+    @staticmethod
+    def of(precision, name, rank, seed=0) -> Optional["GradWire"]:
+        return None if precision is None else GradWire(precision, name, rank, seed)
+
+    def settle(self, updated: bool) -> None:
+        """The round ended: its residuals are kept if the step updated, else dropped."""
+        self.sent.settle(updated)
+        self.summed.settle(updated)
+
+    def nbytes(self) -> int:
+        return self.sent.nbytes() + self.summed.nbytes()
+
+    def state_dict(self) -> dict:
+        return {"count": self.count, "sent": self.sent.committed, "summed": self.summed.committed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.count = int(state["count"])
+        for res, key in ((self.sent, "sent"), (self.summed, "summed")):
+            t = state.get(key)
+            res.committed = None if t is None else t.to(RESIDUAL_DTYPE).clone()
+            res.pending = None
+
+    # --- encoding --------------------------------------------------------------
+
+    def encode(self, x: torch.Tensor, out: torch.Tensor, stream: int, offset: int, error: Optional[torch.Tensor]):
+        from ...kernels import wire_ops
+        wire_ops.encode_(x, out, self.bits, self.seed, self.count, stream, self.base + offset, error=error)
+
+    def with_residual(self, x: torch.Tensor, res: Residual) -> torch.Tensor:
+        """fp32 x plus what `res` carries (a new tensor: x is the caller's)."""
+        out = x.reshape(-1).to(torch.float32, copy=True)
+        r = res.take(out.numel(), out.device, self.replaces)
+        if r is not None:
+            out.add_(r)
+        return out
+
+
+def all_reduce_bytes(part, world: int, w: Optional[GradWire]) -> int:
+    """What one rank sends in an all-reduce of `part` over `world` ranks (a ring's 2 (w - 1) / w
+    of it; [Note: quantized reductions]'s own ways when quantized)."""
+    n = part.numel()
+    if w is not None and w.bits is not None:
+        if world == 2:
+            return wire.nbytes(n, w.bits)
+        return 2 * (world - 1) * wire.nbytes(-(-n // world), w.bits)
+    size = part.element_size() if w is None or w.dtype is None else torch.finfo(w.dtype).bits // 8
+    return n * size * 2 * (world - 1) // world
+
+
+class Finish:
+    """A launched collective whose result is written when it is waited for (decoded, summed)."""
+
+    def __init__(self, work, then):
+        self.work, self.then = work, then
+
+    def wait(self):
+        if self.then is not None:
+            self.work.wait()
+            then, self.then = self.then, None
+            then()
+        return True
+
+    def is_completed(self):
+        return self.then is None or self.work.is_completed()
+
+    def wait_for(self, seconds) -> bool:
+        from .base import finished
+        if self.then is None or finished(self.work, seconds):
+            self.wait()
+            return True
+        return False
+
+
+def _decode_sum(recv, w: GradWire, chunk_bytes: int, n: int, world: int, rank: int, own) -> torch.Tensor:
+    """fp32 sum, in rank order, of the `world` chunks in recv (rank's own: `own`, exact)."""
+    from ...kernels import wire_ops
+    acc = torch.zeros(n, dtype=torch.float32, device=recv.device)
+    for r in range(world):
+        if r == rank:
+            acc.add_(own)
+        else:
+            wire_ops.decode_add_(recv[r * chunk_bytes:(r + 1) * chunk_bytes], n, w.bits, acc)
+    return acc
+
+
+def reduce_scatter(output, input, group, rank: int, world: int, w: GradWire):
+    """Launch the quantized SUM reduce-scatter of `input` (world x output.numel()) into `output`
+    on `group` ([Note: quantized reductions]); returns a Work that writes `output` when waited."""
+    n = output.numel()
+    x = w.with_residual(input, w.sent)
+    chunk = wire.nbytes(n, w.bits)
+    send = torch.empty(world * chunk, dtype=torch.uint8, device=x.device)
+    error = torch.zeros_like(x)
+    for r in range(world):
+        if r != rank:
+            w.encode(x[r * n:(r + 1) * n], send[r * chunk:(r + 1) * chunk], 0, r * n, error[r * n:(r + 1) * n])
+    w.sent.keep(error)
+    w.count += 1
+    recv = torch.empty_like(send)
+    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    own = x[rank * n:(rank + 1) * n]
+
+    def finish():
+        output.copy_(_decode_sum(recv, w, chunk, n, world, rank, own))
+    return Finish(work, finish)
+
+
+def all_reduce(tensor, group, rank: int, world: int, w: GradWire):
+    """The quantized SUM all-reduce of `tensor`, in place ([Note: quantized reductions]). On 2
+    ranks it is one all-gather, and the Work returned finishes it; on more it runs both phases
+    before returning (the caller must say it blocks: comm/check.py never plans it)."""
+    from ...kernels import wire_ops
+    n = tensor.numel()
+    x = w.with_residual(tensor, w.sent)
+    if world == 2:
+        size = wire.nbytes(n, w.bits)
+        mine = torch.empty(size, dtype=torch.uint8, device=x.device)
+        error = torch.empty_like(x)
+        w.encode(x, mine, 0, 0, error)
+        w.sent.keep(error)
+        w.count += 1
+        both = torch.empty(2 * size, dtype=torch.uint8, device=x.device)
+        work = _all_gather(both, mine, group=group, async_op=True)
+
+        def finish():
+            acc = torch.zeros(n, dtype=torch.float32, device=x.device)
+            for r in range(2):
+                wire_ops.decode_add_(both[r * size:(r + 1) * size], n, w.bits, acc)
+            tensor.copy_(acc.view_as(tensor))
+        return Finish(work, finish)
+    c = -(-n // world)  # chunk r: [r c, min(n, (r + 1) c)); the last ones may be short or empty
+    bounds = [(min(n, r * c), min(n, (r + 1) * c)) for r in range(world)]
+    chunk = wire.nbytes(c, w.bits)
+    send = torch.zeros(world * chunk, dtype=torch.uint8, device=x.device)
+    error = torch.zeros_like(x)
+    for r, (a, b) in enumerate(bounds):
+        if r != rank and b > a:
+            w.encode(x[a:b], send[r * chunk:r * chunk + wire.nbytes(b - a, w.bits)], 0, a, error[a:b])
+    w.sent.keep(error)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    a, b = bounds[rank]
+    acc = torch.zeros(b - a, dtype=torch.float32, device=x.device)
+    for r in range(world):
+        if r == rank:
+            acc.add_(x[a:b])
+        elif b > a:
+            wire_ops.decode_add_(recv[r * chunk:r * chunk + wire.nbytes(b - a, w.bits)], b - a, w.bits, acc)
+    summed = w.with_residual(acc, w.summed) if b > a else acc
+    mine = torch.zeros(chunk, dtype=torch.uint8, device=x.device)
+    error = torch.zeros_like(summed)
+    if b > a:
+        w.encode(summed, mine[:wire.nbytes(b - a, w.bits)], 1, a, error)
+    w.summed.keep(error)
+    w.count += 1
+    gathered = torch.empty(world * chunk, dtype=torch.uint8, device=x.device)
+    _all_gather(gathered, mine, group=group)
+    flat = tensor.view(-1)
+    for r, (lo, hi) in enumerate(bounds):
+        if hi > lo:
+            out = torch.zeros(hi - lo, dtype=torch.float32, device=x.device)
+            wire_ops.decode_add_(gathered[r * chunk:r * chunk + wire.nbytes(hi - lo, w.bits)], hi - lo, w.bits, out)
+            flat[lo:hi].copy_(out)
+    from .base import _Done
+    return _Done()

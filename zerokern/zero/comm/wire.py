@@ -28,7 +28,10 @@ inf/nan on some rank) or the grads are zeroed without a step, so a skipped step 
 the residual it consumed included. A second reduction of the same bucket in one round (a
 second synced backward at stage 2/3, a grad that came after the launch) adds the pending
 residual, as it adds to what the first one sent; at stage 1, whose second reduction replaces
-the first, it adds the committed one again.
+the first, it adds the committed one again. Residuals are in the units of the grads as reduced:
+under a GradScaler whose scale changes between two steps, the one carried over is off by that
+factor for one step (it is below one quantization step of those grads, so the effect is that of
+one step's rounding; a fixed scale, or bf16 without a scaler, carries it exactly).
 """
 
 import zlib
@@ -99,7 +102,9 @@ class GradWire:
         self.seed = seed
         # a stream per (rank, bucket): ranks must not round alike, or their errors would not average out
         self.base = (rank << 48) | ((zlib.crc32(name.encode()) & 0xFFFF) << 32)
-        self.count = 0  # reductions so far: the Philox counter's step word
+        # reductions so far (the Philox counter's step word): as the residuals, a skipped round's are
+        # forgotten, so a run with a skipped step rounds as the same run without that batch
+        self.count = self.committed_count = 0
         self.sent, self.summed = Residual(), Residual()
         self.replaces = False  # set by the bucket per launch ([Note: error feedback], stage 1)
 
@@ -111,15 +116,18 @@ class GradWire:
         """The round ended: its residuals are kept if the step updated, else dropped."""
         self.sent.settle(updated)
         self.summed.settle(updated)
+        if updated:
+            self.committed_count = self.count
+        self.count = self.committed_count
 
     def nbytes(self) -> int:
         return self.sent.nbytes() + self.summed.nbytes()
 
     def state_dict(self) -> dict:
-        return {"count": self.count, "sent": self.sent.committed, "summed": self.summed.committed}
+        return {"count": self.committed_count, "sent": self.sent.committed, "summed": self.summed.committed}
 
     def load_state_dict(self, state: dict) -> None:
-        self.count = int(state["count"])
+        self.count = self.committed_count = int(state["count"])
         for res, key in ((self.sent, "sent"), (self.summed, "summed")):
             t = state.get(key)
             res.committed = None if t is None else t.to(RESIDUAL_DTYPE).clone()

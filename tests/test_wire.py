@@ -1,0 +1,80 @@
+"""Grads reduced in another precision (issue 37): reduce_precision bf16, int8 and int4 with error
+feedback ([Note: quantized reductions] in zerokern/zero/comm/wire.py) at stages 0-3, on 2 ranks,
+4 flat ranks and a 2 x 2 mesh, against the same run in full precision."""
+
+import pytest
+import torch
+
+import dist_harness
+import wire_workers as W
+import zerokern
+from zerokern.kernels import wire
+
+
+def _close_to_full_precision(results, cases, rel):
+    for r in dist_harness.values(results):
+        full = r[cases[0]]
+        for case in cases:
+            got = r[case]
+            assert got["same"], (case, "the ranks' params differ")
+            assert got["losses"] == pytest.approx(full["losses"], rel=rel), (case, got["losses"], full["losses"])
+            quantized = case[1] in ("int8", "int4")
+            assert (got["error_feedback"] > 0) == quantized, (case, got["error_feedback"])
+        # quantized runs are not the full-precision run itself (the test would pass with nothing quantized)
+        for case in cases[1:]:
+            if case[1] in ("int8", "int4"):
+                assert not torch.equal(r[case]["params"], full["params"]), case
+
+
+def test_two_ranks_every_stage_and_precision():
+    cases = [(2, None), (2, "bf16"), (2, "int8"), (2, "int4"), (1, "int8"), (3, "int4"), (0, "int8"), (3, "int8")]
+    _close_to_full_precision(dist_harness.run(W.train, 2, cases, timeout=300), cases, rel=0.03)
+
+
+def test_four_ranks_flat_and_on_a_mesh():
+    flat = [(2, None), (2, "int4"), (0, "int8"), (1, "int4")]  # 0: the two-phase all-reduce of > 2 ranks
+    _close_to_full_precision(dist_harness.run(W.train, 4, flat, timeout=300), flat, rel=0.03)
+    mesh = [(2, None), (2, "int4"), (3, "int8"), (0, "int4")]
+    _close_to_full_precision(dist_harness.run(W.train, 4, mesh, (2, 2), timeout=300), mesh, rel=0.03)
+
+
+def test_a_rerun_gives_the_same_bits():
+    cases = [(2, "int4")]
+    a, b = (dist_harness.values(dist_harness.run(W.train, 2, cases, timeout=120)) for _ in range(2))
+    assert torch.equal(a[0][cases[0]]["params"], b[0][cases[0]]["params"])
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_an_inf_on_one_rank_skips_the_step_and_leaves_no_trace(stage):
+    for r in dist_harness.values(dist_harness.run(W.skipped_step_leaves_no_trace, 2, stage, "int4", timeout=120)):
+        assert r["equal"], r
+
+
+@pytest.mark.parametrize("kwargs, expect", [
+    (dict(reduce_precision="int2"), "reduce_precision='int2'; choose one of (None, 'fp32', 'bf16', 'int8', 'int4')"),
+    (dict(reduce_precision="INT8"), "reduce_precision='INT8'"),
+    (dict(gather_precision="int4"), "gather_precision='int4'; choose one of (None, 'int8')"),
+])
+def test_unknown_precisions_name_the_choices(kwargs, expect):
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError) as e:
+        zerokern.FusedZeroAdam(model.parameters(), **kwargs)
+    assert expect in str(e.value)
+    with pytest.raises(ValueError) as e:
+        zerokern.shard(torch.nn.Linear(4, 4), **kwargs)
+    assert expect in str(e.value)
+
+
+def test_wire_format_is_unbiased_and_marks_non_finite_blocks():
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    for bits in (8, 4):
+        buf = wire.encode(x, bits, seed=1, step=0, stream=0, base=0)
+        assert buf.numel() == wire.nbytes(1000, bits)
+        y = wire.decode(buf, 1000, bits)
+        step = x.abs().max() / wire.QMAX[bits]
+        assert (y - x).abs().max() <= step * 1.0001
+        mean = sum(wire.decode(wire.encode(x, bits, 1, s, 0, 0), 1000, bits) for s in range(64)) / 64
+        assert (mean - x).abs().mean() < 0.3 * step  # stochastic rounding: E[decoded] = x
+    x[300] = float("inf")
+    y = wire.decode(wire.encode(x, 8, 1, 0, 0, 0), 1000, 8)
+    assert torch.isnan(y[256:512]).all() and torch.isfinite(y[:256]).all()

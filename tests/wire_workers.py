@@ -1,0 +1,108 @@
+"""Per-rank bodies of test_wire.py: grads reduced in int8/int4 (with error feedback) and bf16,
+against the same run in the grads' own precision."""
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import zerokern
+
+LR = 1e-2
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(31)
+        self.blocks = nn.ModuleList(nn.Linear(24, 24) for _ in range(3))
+        self.head = nn.Linear(24, 4)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return self.head(x)
+
+
+def _build(stage, precision, mesh=None, cap=2e-3):
+    model = Net()
+    if stage == 3:
+        for b in model.blocks:
+            zerokern.shard(b, stage=3, bucket_cap_mb=cap, mesh=mesh, reduce_precision=precision)
+        zerokern.shard(model, stage=3, bucket_cap_mb=cap, mesh=mesh, reduce_precision=precision)
+        kw = {}
+    else:
+        kw = dict(zero_stage=stage, bucket_cap_mb=cap, mesh=mesh, reduce_precision=precision)
+    return model, zerokern.FusedZeroAdam(model.parameters(), lr=LR, weight_decay=0.0, **kw)
+
+
+def _batches(rank, steps, seed=5):
+    g = torch.Generator().manual_seed(seed + rank)
+    out = []
+    for _ in range(steps):
+        x = torch.randn(16, 24, generator=g)
+        out.append((x, torch.sin(x[:, :4] * 2)))
+    return out
+
+
+def _params(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _train(rank, world, model, opt, batches, scaler=None, bad=None):
+    """Mean loss over ranks per step; bad: (step, rank) whose grads get an inf."""
+    losses = []
+    for t, (x, y) in enumerate(batches):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        if bad is not None and bad == (t, rank):
+            loss = loss + model.head.weight.view(-1)[0] * float("inf")
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update(1.0)  # a fixed scale: a residual is in the units of the scale it was made at
+        t_ = loss.detach().clone()
+        dist.all_reduce(t_)
+        losses.append(t_.item() / world)
+    return losses
+
+
+def _same_on_every_rank(t):
+    everyone = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, t)
+    return all(torch.equal(everyone[0], e) for e in everyone)
+
+
+def train(rank, world, cases, mesh=None, steps=12):
+    """cases: [(stage, precision)]; each trained `steps` steps from the same start. Per case: losses,
+    the params' distance to the first case's (the full-precision run), whether every rank holds the
+    same params, and the error-feedback bytes."""
+    torch.set_num_threads(1)
+    out = {}
+    batches = _batches(rank, steps)
+    for stage, precision in cases:
+        model, opt = _build(stage, precision, mesh)
+        losses = _train(rank, world, model, opt, batches)
+        full = zerokern.full_state_dict(model, rank0_only=False)
+        params = torch.cat([full[n].reshape(-1) for n, _ in model.named_parameters()])
+        out[(stage, precision)] = {"losses": losses, "params": params, "same": _same_on_every_rank(params),
+                                   "error_feedback": opt.memory_report()["error_feedback"]}
+    return out
+
+
+def skipped_step_leaves_no_trace(rank, world, stage, precision):
+    """A run whose step 2 has an inf in rank 1's grads (the step is skipped everywhere) against
+    the same run without that batch: the same bits after, residuals and rounding included."""
+    torch.set_num_threads(1)
+    batches = _batches(rank, 5)
+    runs = []
+    for bad in ((2, 1), None):
+        model, opt = _build(stage, precision)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+        data = batches if bad else batches[:2] + batches[3:]
+        _train(rank, world, model, opt, data, scaler, bad)
+        runs.append((_params(model), opt.engine.last_step_skipped))
+    (with_inf, _), (without, _) = runs
+    return {"equal": torch.equal(with_inf, without), "diff": (with_inf - without).abs().max().item()}

@@ -18,6 +18,10 @@ Runs:
   bf16 sr              FusedZeroAdam(master_weights=False): bf16 params, stochastic rounding, fp32 moments
   bf16 sr int8         ... and int8 moments: about 6 bytes per param in all
   bf16 rn (control)    torch.optim.AdamW under DDP on bf16 params: no master, round to nearest
+  fp32 zero2           FusedZeroAdam stage 2, fp32 params: the unquantized run of the wire rows
+  fp32 reduce int8     ... with reduce_precision="int8" (grads reduced as int8 blocks, error feedback)
+  fp32 reduce int4     ... "int4"
+  fp32 reduce int8 no-EF / int4 no-EF   ... without error feedback (ZEROKERN_ERROR_FEEDBACK=0): the control
 Reported: the eval loss every 25 steps and at the end, each run's final eval loss against fp32 AdamW's.
 """
 
@@ -38,6 +42,7 @@ import _harness as H  # noqa: E402
 
 RUNS = ["fp32 adamw", "fp32 int8-state", "fp32 torchao AdamW8bit", "bf16 masters", "bf16 masters int8", "bf16 sr",
         "bf16 sr int8", "bf16 rn (control)"]
+WIRE_RUNS = ["fp32 zero2", "fp32 reduce int8", "fp32 reduce int4", "fp32 reduce int8 no-EF", "fp32 reduce int4 no-EF"]
 CTX, BATCH, EVAL_EVERY = 64, 16, 25
 
 
@@ -115,7 +120,11 @@ def _build(name, world, seed):
         return ddp, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     options = {"fp32 int8-state": dict(state_precision="int8"), "bf16 masters": {},
                "bf16 masters int8": dict(state_precision="int8"), "bf16 sr": dict(master_weights=False),
-               "bf16 sr int8": dict(master_weights=False, state_precision="int8")}[name]
+               "bf16 sr int8": dict(master_weights=False, state_precision="int8"), "fp32 zero2": {},
+               "fp32 reduce int8": dict(reduce_precision="int8"), "fp32 reduce int4": dict(reduce_precision="int4"),
+               "fp32 reduce int8 no-EF": dict(reduce_precision="int8"),
+               "fp32 reduce int4 no-EF": dict(reduce_precision="int4")}[name]
+    os.environ["ZEROKERN_ERROR_FEEDBACK"] = "0" if name.endswith("no-EF") else "1"  # read when the buckets are made
     opt = zerokern.FusedZeroAdam(model.parameters(), lr=1e-3, weight_decay=0.01, zero_stage=2, **options)
     return model, opt
 
@@ -172,12 +181,13 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--eval-batches", type=int, default=8)
-    ap.add_argument("--runs", default=",".join(RUNS))
+    ap.add_argument("--runs", default=",".join(RUNS),
+                    help="comma-separated; 'wire' = fp32 adamw and the quantized-reduction rows: " + ", ".join(WIRE_RUNS))
     ap.add_argument("--seed", type=int, default=0, help="the initial weights and the batches")
     ap.add_argument("--json")
     ap.add_argument("--plot")
     args = ap.parse_args(argv)
-    args.runs = args.runs.split(",")
+    args.runs = ["fp32 adamw"] + WIRE_RUNS if args.runs == "wire" else args.runs.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "curves.json")
         mp.start_processes(_rank, args=(2, tmp, args, out), nprocs=2, start_method="spawn")

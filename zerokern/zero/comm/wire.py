@@ -34,6 +34,7 @@ factor for one step (it is below one quantization step of those grads, so the ef
 one step's rounding; a fixed scale, or bf16 without a scaler, carries it exactly).
 """
 
+import os
 import zlib
 from typing import Optional
 
@@ -76,7 +77,9 @@ class Residual:
             raise RuntimeError(f"zerokern internal error: a residual of {r.numel()} elements for {numel}")
         return r
 
-    def keep(self, error: torch.Tensor) -> None:
+    def keep(self, error: Optional[torch.Tensor]) -> None:
+        if error is None:
+            return
         if self.pending is None or self.pending is self.committed:
             self.pending = torch.empty(error.numel(), dtype=RESIDUAL_DTYPE, device=error.device)
         self.pending.copy_(error)
@@ -107,6 +110,8 @@ class GradWire:
         self.count = self.committed_count = 0
         self.sent, self.summed = Residual(), Residual()
         self.replaces = False  # set by the bucket per launch ([Note: error feedback], stage 1)
+        # ZEROKERN_ERROR_FEEDBACK=0: no residuals (the control run of bench/lowbit_loss.py, to see what they buy)
+        self.feedback = os.environ.get("ZEROKERN_ERROR_FEEDBACK", "1") != "0"
 
     @staticmethod
     def of(precision, name, rank, seed=0) -> Optional["GradWire"]:
@@ -142,7 +147,7 @@ class GradWire:
     def with_residual(self, x: torch.Tensor, res: Residual) -> torch.Tensor:
         """fp32 x plus what `res` carries (a new tensor: x is the caller's)."""
         out = x.reshape(-1).to(torch.float32, copy=True)
-        r = res.take(out.numel(), out.device, self.replaces)
+        r = res.take(out.numel(), out.device, self.replaces) if self.feedback else None
         if r is not None:
             out.add_(r)
         return out
@@ -207,7 +212,7 @@ def reduce_scatter(output, input, group, rank: int, world: int, w: GradWire):
     for r in range(world):
         if r != rank:
             w.encode(x[r * n:(r + 1) * n], send[r * chunk:(r + 1) * chunk], 0, r * n, error[r * n:(r + 1) * n])
-    w.sent.keep(error)
+    w.sent.keep(error if w.feedback else None)
     w.count += 1
     recv = torch.empty_like(send)
     work = dist.all_to_all_single(recv, send, group=group, async_op=True)
@@ -230,7 +235,7 @@ def all_reduce(tensor, group, rank: int, world: int, w: GradWire):
         mine = torch.empty(size, dtype=torch.uint8, device=x.device)
         error = torch.empty_like(x)
         w.encode(x, mine, 0, 0, error)
-        w.sent.keep(error)
+        w.sent.keep(error if w.feedback else None)
         w.count += 1
         both = torch.empty(2 * size, dtype=torch.uint8, device=x.device)
         work = _all_gather(both, mine, group=group, async_op=True)
@@ -249,7 +254,7 @@ def all_reduce(tensor, group, rank: int, world: int, w: GradWire):
     for r, (a, b) in enumerate(bounds):
         if r != rank and b > a:
             w.encode(x[a:b], send[r * chunk:r * chunk + wire.nbytes(b - a, w.bits)], 0, a, error[a:b])
-    w.sent.keep(error)
+    w.sent.keep(error if w.feedback else None)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     a, b = bounds[rank]
@@ -264,7 +269,7 @@ def all_reduce(tensor, group, rank: int, world: int, w: GradWire):
     error = torch.zeros_like(summed)
     if b > a:
         w.encode(summed, mine[:wire.nbytes(b - a, w.bits)], 1, a, error)
-    w.summed.keep(error)
+    w.summed.keep(error if w.feedback else None)
     w.count += 1
     gathered = torch.empty(world * chunk, dtype=torch.uint8, device=x.device)
     _all_gather(gathered, mine, group=group)

@@ -349,7 +349,8 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
                            dp_bandwidth)
             stages[-1] = replace(stages[-1], inter_host_bytes=wire.across, intra_host_bytes=wire.within,
                                  hybrid_inter_host_bytes=hybrid.across, hybrid_intra_host_bytes=hybrid.within,
-                                 hybrid_total_bytes=local.total_bytes + act, hybrid_error_feedback_bytes=hybrid_feedback)
+                                 hybrid_total_bytes=local.total_bytes + act,
+                                 hybrid_error_feedback_bytes=hybrid_feedback)
     return Plan(params_total=total, params_per_gpu=per_gpu, dp=dp, tp=tp, pp=pp, dtype=dtype,
                 offload_optimizer="cpu" if offload else None, gpu_memory_bytes=gpu_memory,
                 dp_bandwidth_bytes_per_s=dp_bandwidth, micro_batches=micro_batches,

@@ -3,8 +3,8 @@ the error feedback that quantized reductions keep. Pure arithmetic, no torch.
 
 [Note: bytes on the wire] P params (this GPU's model-parallel share), b bytes per element of the
 training dtype, dp data-parallel ranks on h hosts, s = dp / h ranks per host, consecutive ranks
-on one host. An element of a reduction travels in
-    None: b;  "fp32": 4;  "bf16": 2  (a cast)
+on one host. An element of a reduction travels in e bytes,
+    None: e = b;  "fp32": e = 4;  "bf16": e = 2  (a cast)
 and a chunk of n elements quantized ([Note: the wire format] in zerokern/kernels/wire.py: blocks
 of 256, an fp32 scale each) takes
     q(n) = 4 ceil(n / 256) + n          (int8)
@@ -31,8 +31,8 @@ at stage 0 each rank's whole bucket (P), from stage 1 on its reduced shard (P / 
 takes part in one replica all-reduce, so across = dp x that all-reduce's bytes (what
 HybridComm.inter_host_bytes counts, summed over the ranks). The param gathers stay within a host
 and in the params' dtype: gather_precision applies without a mesh only.
-The scales are counted as if each chunk were one tensor: a bucket's chunk that ends in a part
-block adds under 4 bytes more per bucket (and the layout's padding is not counted).
+The scales are counted as if the params were one bucket: each further bucket whose chunk ends
+in a part block adds under 4 bytes per chunk (and the layout's padding is not counted).
 
 [Note: error feedback memory] A quantized reduction (int8, int4) keeps, per bucket, a bf16
 residual of what the rank quantizes ([Note: error feedback] in comm/wire.py): flat, the whole

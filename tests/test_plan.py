@@ -191,11 +191,12 @@ def test_stage3_working_set_by_hand():
 
 
 def test_bytes_across_hosts_flat_and_hybrid():
-    """[Note: bytes across hosts]: rings over 4 ranks on 2 hosts vs a shard all-reduce per host pair."""
+    """[Note: bytes across hosts]: rings over 4 ranks on 2 hosts vs a shard all-reduce per host pair
+    (at stage 0 each rank all-reduces its whole bucket across hosts: 4 ranks x 2 x 1/2 x 4000)."""
     p = plan(params=1000, dp=4, hosts=2, dtype="fp32")
     flat2, flat3 = 2 * 2 * 4000 * 3 / 4, 2 * 3 * 4000 * 3 / 4
     assert [s.inter_host_bytes for s in p.stages] == [flat2, flat2, flat2, flat3]
-    assert [s.hybrid_inter_host_bytes for s in p.stages] == [flat2, 8000, 8000, 8000]
+    assert [s.hybrid_inter_host_bytes for s in p.stages] == [16000, 8000, 8000, 8000]
     # memory of sharding over the 2 ranks of a host
     assert p.stages[2].hybrid_total_bytes == plan(params=1000, dp=2, dtype="fp32").stages[2].total_bytes
     assert plan(params=1000, dp=4).stages[2].inter_host_bytes is None

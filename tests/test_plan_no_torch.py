@@ -37,6 +37,8 @@ def test_planner_python_api_imports_no_torch():
             "assert p.smallest_fitting_stage == 2, p.smallest_fitting_stage; "
             "p = plan(arch='llama', layers=2, hidden=64, heads=4, vocab=100, ffn_hidden=176, seq=64); "
             "assert p.activations.peak_bytes > 0; "
+            "p = plan(7.5e9, dp=64, hosts=8, reduce_precision='int4', gather_precision='int8'); "
+            "assert p.stages[3].error_feedback_bytes > 0 and p.stages[3].hybrid_inter_host_bytes > 0; "
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]")
     proc = _python("-c", code)
     assert proc.returncode == 0, proc.stderr

@@ -8,6 +8,7 @@
     p = plan(7.5e9, dp=64)            # a Plan: one StagePlan per ZeRO stage 0-3
     p = from_model(model, dp=8)       # counts a real module's trainable parameters
     p = plan(7.5e9, dp=64, gpu_memory="24GB", dp_bandwidth="400Gb/s")  # or bytes: 24e9, 50e9
+    p = plan(7.5e9, dp=64, hosts=8, reduce_precision="int8")  # quantized grads: traffic.py
     p = plan(arch="llama", layers=32, hidden=4096, heads=32, vocab=32000, ffn_hidden=11008, dp=8,
              seq=4096, micro_batch_size=1, checkpointing="full")  # activations counted in the fit
 

@@ -9,6 +9,7 @@ import sys
 
 from .activations import ACT_BYTES, CHECKPOINTING
 from .model import DTYPE_BYTES, STATE_BYTES, plan
+from .traffic import GATHER_PRECISIONS, REDUCE_PRECISIONS, quantized
 from .units import parse_size
 
 
@@ -43,6 +44,11 @@ def count(text):
     if not math.isfinite(value) or value != int(value):
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
     return int(value)
+
+
+def _precision_flag(choices):
+    """The command line's names of a precision tuple: None is 'none'."""
+    return [c or "none" for c in choices]
 
 
 def parser():
@@ -88,6 +94,12 @@ def parser():
     hw.add_argument("--dp-bandwidth", type=lambda t: parse_bytes(t, per_second=True), default=100e9,
                     help="per-GPU data-parallel link bandwidth in bytes (100GB/s, the default) or bits "
                          "(400Gb/s, 400Gbps: a lowercase b is a bit)")
+    hw.add_argument("--reduce-precision", choices=_precision_flag(REDUCE_PRECISIONS), default="none",
+                    help="what grads travel in: none (their dtype), fp32, bf16, or int8/int4 blocks with error "
+                         "feedback (an 'ef' column); with --hosts only the hop between hosts of hybrid sharding. "
+                         "shard()'s reduce_precision")
+    hw.add_argument("--gather-precision", choices=_precision_flag(GATHER_PRECISIONS), default="none",
+                    help="what the param all-gathers send without a mesh: none (the params' dtype) or int8 blocks")
     hw.add_argument("--bucket-cap-mb", type=float, default=25.0,
                     help="FusedZeroAdam's bucket_cap_mb (stage 2 holds up to 5 such buckets in backward)")
     act = ap.add_argument_group("activations (need the shape; tp = pp = 1)")
@@ -118,23 +130,20 @@ def render(p, marked=None):
                  f"fits in {_gb(p.gpu_memory_bytes)} GB = model states + activations ({a.micro_batch} x {a.seq} "
                  f"tokens, {a.dtype}, checkpointing {a.checkpointing})"),
              ""]
-    head = ["stage", "params", "gathered", "grads", "buffers", "master", "adam", "total", "fits (headroom)", "comm/step",
-            "comm time"]
-    if a is not None:  # counted only with --seq-len: then a column, in the total and the fit
-        head.insert(7, "activ")
-    if p.offload_optimizer:
-        head.insert(head.index("total") + 1, "cpu")
+    # optional columns: activations only with --seq-len, error feedback only for int8/int4 reductions
+    shown = {"activ": a is not None, "ef": quantized(p.reduce_precision), "cpu": bool(p.offload_optimizer)}
+    head = [c for c in ("stage", "params", "gathered", "grads", "buffers", "master", "adam", "ef", "activ", "total",
+                        "cpu", "fits (headroom)", "comm/step", "comm time") if shown.get(c, True)]
     rows = []
     best = p.smallest_fitting_stage
     for s in p.stages:
-        row = [str(s.stage), _gb(s.params_bytes), _gb(s.gathered_bytes), _gb(s.grads_bytes), _gb(s.buffers_bytes), _gb(s.master_bytes),
-               _gb(s.adam_bytes),
-               _gb(s.total_bytes), f"{'yes' if s.fits else 'no'} ({_gb(s.headroom_bytes)})",
-               f"{_gb(s.comm_bytes)} GB", f"{s.comm_seconds * 1e3:.1f} ms"]
-        if a is not None:
-            row.insert(7, _gb(s.activations_bytes))
-        if p.offload_optimizer:
-            row.insert(head.index("cpu"), _gb(s.cpu_bytes))
+        cells = {"stage": str(s.stage), "params": _gb(s.params_bytes), "gathered": _gb(s.gathered_bytes),
+                 "grads": _gb(s.grads_bytes), "buffers": _gb(s.buffers_bytes), "master": _gb(s.master_bytes),
+                 "adam": _gb(s.adam_bytes), "ef": _gb(s.error_feedback_bytes), "activ": _gb(s.activations_bytes),
+                 "total": _gb(s.total_bytes), "cpu": _gb(s.cpu_bytes),
+                 "fits (headroom)": f"{'yes' if s.fits else 'no'} ({_gb(s.headroom_bytes)})",
+                 "comm/step": f"{_gb(s.comm_bytes)} GB", "comm time": f"{s.comm_seconds * 1e3:.1f} ms"}
+        row = [cells[c] for c in head]
         notes = []
         if s.stage == best:
             notes.append("<- smallest stage that fits")
@@ -146,7 +155,14 @@ def render(p, marked=None):
         lines.append("  ".join(c.rjust(w) if 0 < i < len(head) else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
     lines.append("")
     lines.append(f"comm: bytes each GPU sends per step over the data-parallel group at "
-                 f"{p.dp_bandwidth_bytes_per_s / 1e9:g} GB/s (ring; 2x params for stages 0-2, 3x for stage 3)")
+                 f"{p.dp_bandwidth_bytes_per_s / 1e9:g} GB/s (ring; 2x params for stages 0-2, 3x for stage 3"
+                 + (")" if p.reduce_precision is None and p.gather_precision is None else
+                    f"; grads in {p.reduce_precision or p.dtype}, params gathered in {p.gather_precision or p.dtype}: "
+                    "[Note: bytes on the wire] in zerokern/plan/traffic.py)"))
+    if quantized(p.reduce_precision):
+        lines.append("ef: error feedback of int8/int4 reductions, bf16 residuals of what a rank quantizes (flat: the "
+                     "whole grads, plus 1/dp at stage 0 on > 2 ranks), committed and pending: 4 bytes per element "
+                     "during a step (counted), 2 between steps")
     lines.append("buffers: what zerokern holds beyond the ZeRO paper's figures with dp > 1: stage 1 the reduced grad "
                  "shard (grads/dp), stages 2 and 3 up to 5 buckets of --bucket-cap-mb in backward (2 in flight, 2 filling, 1 a tied embedding holds open). DeepSpeed's ZeRO-2 "
                  "estimator says 2 + 18/dp bytes/param (it keeps fp32 grads); zerokern 2 + 14/dp plus buffers")
@@ -159,13 +175,26 @@ def render(p, marked=None):
                      "the one prefetched; one layer per unit from the shape, or --unit-params/--root-params)")
     lines += _activation_lines(p)
     if p.hosts > 1:
-        lines += ["", f"across {p.hosts} hosts ({p.dp // p.hosts} ranks each), per step, all links together "
+        lines += ["", f"across {p.hosts} hosts ({p.dp // p.hosts} ranks each), per step, all ranks' sends together "
                   "([Note: bytes across hosts]): flat sharding over all ranks vs hybrid (mesh=(hosts, ranks per "
-                  "host): sharded within a host, replicated across)"]
-        rows = [["stage", "flat GB across hosts", "hybrid GB across hosts", "hybrid saves", "hybrid total GB/GPU"]]
+                  "host): sharded within a host, replicated across)"
+                  + ("" if p.reduce_precision is None else
+                     f"; grads reduced in {p.reduce_precision}: flat, every reduction; hybrid, only the all-reduce "
+                     "across hosts (within a host in the grads' dtype)")
+                  + ("" if p.gather_precision is None else
+                     f"; params gathered in {p.gather_precision}: flat only (hybrid gathers in the params' dtype)")]
+        ef = quantized(p.reduce_precision)
+        # MB for a model whose bytes would read 0.0x GB
+        unit, scale = ("GB", 1e9) if max(s.intra_host_bytes + s.hybrid_intra_host_bytes for s in p.stages) >= 1e9 \
+            else ("MB", 1e6)
+        rows = [["stage", f"flat {unit} across", f"flat {unit} within", f"hybrid {unit} across",
+                 f"hybrid {unit} within", "hybrid saves", f"hybrid total {unit}/GPU"] + (["of which ef"] if ef else [])]
         for s in p.stages:
-            rows.append([str(s.stage), _gb(s.inter_host_bytes), _gb(s.hybrid_inter_host_bytes),
-                         f"{s.inter_host_bytes / s.hybrid_inter_host_bytes:.2f}x", _gb(s.hybrid_total_bytes)])
+            cells = [s.inter_host_bytes, s.intra_host_bytes, s.hybrid_inter_host_bytes, s.hybrid_intra_host_bytes]
+            rows.append([str(s.stage)] + [f"{x / scale:.2f}" for x in cells]
+                        + [f"{s.inter_host_bytes / s.hybrid_inter_host_bytes:.2f}x"]
+                        + [f"{x / scale:.2f}" for x in [s.hybrid_total_bytes] + ([s.hybrid_error_feedback_bytes] if ef
+                                                                                  else [])])
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines += ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     if p.pp > 1:
@@ -207,7 +236,9 @@ def main(argv=None):
                  bucket_cap_mb=args.bucket_cap_mb, unit_params=args.unit_params, root_params=args.root_params,
                  state_precision=args.state_precision, master_weights=not args.no_master_weights,
                  hosts=args.hosts, seq=args.seq_len, micro_batch_size=args.micro_batch_size,
-                 checkpointing=args.checkpointing, act_dtype=args.act_dtype)
+                 checkpointing=args.checkpointing, act_dtype=args.act_dtype,
+                 reduce_precision=None if args.reduce_precision == "none" else args.reduce_precision,
+                 gather_precision=None if args.gather_precision == "none" else args.gather_precision)
     except ValueError as e:
         ap.error(str(e))  # exit code 2
     if args.json:

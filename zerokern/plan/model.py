@@ -63,7 +63,8 @@ all-reduces the grads (reduce-scatter + all-gather: 2 x params x (dp-1)/dp
 elements); ZeRO-1 and ZeRO-2 reduce-scatter the grads and all-gather the
 updated params: the same 2x; ZeRO-3 all-gathers the params for forward and
 again for backward and reduce-scatters the grads: 3x, 1.5 times as much.
-Elements travel in the training dtype. Pipeline bubble: (pp - 1) / (m + pp - 1)
+Elements travel in the training dtype, or with reduce_precision / gather_precision in another
+precision and by other collectives ([Note: bytes on the wire] in traffic.py). Pipeline bubble: (pp - 1) / (m + pp - 1)
 for m micro-batches.
 
 [Note: bytes across hosts] With the dp ranks on `hosts` hosts (consecutive ranks on one host, as
@@ -74,14 +75,16 @@ sends hosts * (dp - 1)/dp * params bytes across hosts per such collective, 2 of 
 dp/hosts), [Note: hybrid sharding] in zerokern/zero/comm/hybrid.py) shards within a host and
 all-reduces each reduced shard across the hosts over one rank per host: dp/hosts rings of
 `hosts` ranks, each all-reduce sending 2 (hosts - 1)/hosts of a shard per rank, so 2 (hosts - 1)
-* params bytes in all at every stage from 1 on; the param gathers stay inside each host. Its
-memory is that of sharding over dp/hosts ranks.
+* params bytes in all at every stage from 1 on; at stage 0 each rank all-reduces its whole
+bucket across hosts, dp/hosts times that. The param gathers stay inside each host. Its memory is
+that of sharding over dp/hosts ranks. Bytes within a host, and every precision: traffic.py.
 """
 
 import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import List, Optional
 
+from . import traffic
 from .activations import ActivationPlan, activation_memory, largest_tokens
 from .units import to_bytes
 
@@ -103,15 +106,22 @@ class StagePlan:
     cpu_bytes: float  # offloaded optimizer state, per GPU, in host memory
     fits: bool
     headroom_bytes: float
-    comm_bytes: float  # sent (and received) per GPU per step
+    comm_bytes: float  # sent (and received) per GPU per step, flat over the dp ranks
     comm_seconds: float
     # stage 3: full params gathered at once ([Note: the stage-3 working set]); None where it is not
     # modelled (a param count without unit_params), and then left out of total_bytes
     gathered_bytes: Optional[float] = 0.0
-    # [Note: bytes across hosts]: all links together per step; None with one host
+    # [Note: bytes across hosts], [Note: bytes on the wire]: all ranks' sends per step to other hosts
+    # (inter) and to ranks of their own host (intra); None with one host
     inter_host_bytes: Optional[float] = None
+    intra_host_bytes: Optional[float] = None
     hybrid_inter_host_bytes: Optional[float] = None
+    hybrid_intra_host_bytes: Optional[float] = None
     hybrid_total_bytes: Optional[float] = None  # per GPU, sharded within a host only
+    # int8/int4 reductions' residuals at their peak in a step ([Note: error feedback memory] in
+    # traffic.py), in total_bytes; hybrid's (shard-sized) is in hybrid_total_bytes
+    error_feedback_bytes: float = 0.0
+    hybrid_error_feedback_bytes: Optional[float] = None
     # one micro-batch's activations at their peak ([Note: activation memory]), in total_bytes; None
     # where not modelled (no sequence length given)
     activations_bytes: Optional[float] = None
@@ -139,6 +149,8 @@ class Plan:
     # checkpointing ("none", "full") -> per stage, the most tokens per micro-batch whose activations fit
     # beside the model states
     fit_tokens: Optional[dict] = None
+    reduce_precision: Optional[str] = None  # what grads travel in (None: their dtype); traffic.py
+    gather_precision: Optional[str] = None  # what gathered params travel in without a mesh
 
     @property
     def largest_micro_batch(self) -> Optional[dict]:
@@ -199,7 +211,7 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
          kv_heads=None, dp=1, tp=1, pp=1, dtype="bf16", offload_optimizer=None, gpu_memory=80e9, micro_batches=1,
          dp_bandwidth=100e9, bucket_cap_mb=25.0, largest_param=None, unit_params=None, root_params=None,
          state_precision="fp32", master_weights=True, hosts=1, seq=None, micro_batch_size=1,
-         checkpointing="none", act_dtype=None) -> Plan:
+         checkpointing="none", act_dtype=None, reduce_precision=None, gather_precision=None) -> Plan:
     """The memory and communication plan for every ZeRO stage. Give either
     `params` (a count; tp and pp then split it evenly) or the shape (layers,
     hidden, heads, vocab[, ffn_hidden]) of a GPT-style (arch="gpt") or Llama-style
@@ -215,7 +227,11 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
     starts on a block of 256 elements, under 256 per param) is not counted.
     seq (tokens per sequence) with the shape counts one micro-batch's activations (micro_batch_size
     sequences, checkpointing "none" or "full" per layer, act_dtype defaulting to dtype) into every
-    stage's total and fit ([Note: activation memory] in activations.py); tp = pp = 1 only."""
+    stage's total and fit ([Note: activation memory] in activations.py); tp = pp = 1 only.
+    reduce_precision (None, "fp32", "bf16", "int8", "int4") and gather_precision (None, "int8") are
+    shard()'s and FusedZeroAdam's: they change comm_bytes and the bytes within and across hosts, and
+    int8/int4 add their error feedback to each stage's total ([Note: bytes on the wire] and [Note:
+    error feedback memory] in traffic.py)."""
     if arch not in ("gpt", "llama"):
         raise ValueError(f"arch must be 'gpt' or 'llama', got {arch!r}")
     if dtype not in DTYPE_BYTES:
@@ -228,6 +244,7 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
     if offload_optimizer not in (None, "none", "cpu"):
         raise ValueError(f"offload_optimizer must be 'cpu' or None, got {offload_optimizer!r}")
     offload = offload_optimizer == "cpu"
+    traffic.check_precisions(reduce_precision, gather_precision)
     for name, v in (("dp", dp), ("tp", tp), ("pp", pp), ("micro_batches", micro_batches),
                     ("bucket_cap_mb", bucket_cap_mb), ("hosts", hosts)):
         _positive(name, v)
@@ -316,32 +333,39 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
     stages = []
     act = 0 if acts is None else acts.peak_bytes
     for stage in range(4):
+        wire = traffic.flat(stage, per_gpu, b, dp, hosts, reduce_precision, gather_precision)
+        feedback = traffic.error_feedback_bytes(stage, per_gpu, dp, hosts, reduce_precision, is_hybrid=False)
         stages.append(_stage(stage, dp, b, p_bytes, g_bytes, master, adam, offload, bucket_cap_mb, largest_param,
-                             unit_params, root_params, per_gpu, gpu_memory, dp_bandwidth))
+                             unit_params, root_params, wire.per_rank, feedback, gpu_memory, dp_bandwidth))
         if acts is not None:  # "fits" counts one micro-batch's activations too
             states = stages[-1]
             stages[-1] = replace(states, activations_bytes=act, total_bytes=states.total_bytes + act,
                                  fits=states.total_bytes + act <= gpu_memory, headroom_bytes=states.headroom_bytes - act)
         if hosts > 1:
+            hybrid = traffic.hybrid(stage, per_gpu, b, dp, hosts, reduce_precision)
+            hybrid_feedback = traffic.error_feedback_bytes(stage, per_gpu, dp, hosts, reduce_precision, is_hybrid=True)
             local = _stage(stage, dp // hosts, b, p_bytes, g_bytes, master, adam, offload, bucket_cap_mb,
-                           largest_param, unit_params, root_params, per_gpu, gpu_memory, dp_bandwidth)
-            flat = hosts * (3 if stage == 3 else 2) * p_bytes * (dp - 1) / dp
-            hybrid = flat if stage == 0 else 2 * (hosts - 1) * p_bytes
-            stages[-1] = replace(stages[-1], inter_host_bytes=flat, hybrid_inter_host_bytes=hybrid,
-                                 hybrid_total_bytes=local.total_bytes + act)
+                           largest_param, unit_params, root_params, hybrid.per_rank, hybrid_feedback, gpu_memory,
+                           dp_bandwidth)
+            stages[-1] = replace(stages[-1], inter_host_bytes=wire.across, intra_host_bytes=wire.within,
+                                 hybrid_inter_host_bytes=hybrid.across, hybrid_intra_host_bytes=hybrid.within,
+                                 hybrid_total_bytes=local.total_bytes + act,
+                                 hybrid_error_feedback_bytes=hybrid_feedback)
     return Plan(params_total=total, params_per_gpu=per_gpu, dp=dp, tp=tp, pp=pp, dtype=dtype,
                 offload_optimizer="cpu" if offload else None, gpu_memory_bytes=gpu_memory,
                 dp_bandwidth_bytes_per_s=dp_bandwidth, micro_batches=micro_batches,
                 pipeline_bubble=(pp - 1) / (micro_batches + pp - 1), stages=stages, formula=formula,
                 state_precision=state_precision, master_weights=master_weights, hosts=hosts, activations=acts,
+                reduce_precision=reduce_precision, gather_precision=gather_precision,
                 fit_tokens=None if acts is None else {
                     c: [largest_tokens(st.headroom_bytes + act, per_token[c]) for st in stages]
                     for c in per_token})
 
 
 def _stage(stage, dp, b, p_bytes, g_bytes, master, adam, offload, bucket_cap_mb, largest_param, unit_params,
-           root_params, per_gpu, gpu_memory, dp_bandwidth) -> StagePlan:
-    """One stage's memory and communication when sharding over dp ranks."""
+           root_params, comm, feedback, gpu_memory, dp_bandwidth) -> StagePlan:
+    """One stage's memory and communication when sharding over dp ranks. comm: bytes a rank
+    sends per step; feedback: its error feedback's bytes (traffic.py)."""
     shard = lambda x, s: x / dp if stage >= s else x  # noqa: E731
     optimizer = shard(master, 1) + shard(adam, 1)
     off = offload and stage >= 1  # ZeRO-Offload moves the sharded optimizer state: stage 1 and up
@@ -355,11 +379,10 @@ def _stage(stage, dp, b, p_bytes, g_bytes, master, adam, offload, bucket_cap_mb,
         buffers = min(g_bytes, 4 * cap + held_open)
         if stage == 3:  # [Note: the stage-3 working set]; None: no unit size, so not modelled
             gathered = None if unit_params is None else min(p_bytes, b * (root_params + 2 * unit_params))
-    gpu = shard(p_bytes, 3) + (gathered or 0) + shard(g_bytes, 2) + buffers + (0 if off else optimizer)
-    comm = (3 if stage == 3 else 2) * per_gpu * b * (dp - 1) / dp
+    gpu = shard(p_bytes, 3) + (gathered or 0) + shard(g_bytes, 2) + buffers + feedback + (0 if off else optimizer)
     return StagePlan(
         stage=stage, params_bytes=shard(p_bytes, 3), grads_bytes=shard(g_bytes, 2), buffers_bytes=buffers,
         master_bytes=0 if off else shard(master, 1), adam_bytes=0 if off else shard(adam, 1),
         total_bytes=gpu, cpu_bytes=optimizer if off else 0, fits=gpu <= gpu_memory,
         headroom_bytes=gpu_memory - gpu, comm_bytes=comm, comm_seconds=comm / dp_bandwidth,
-        gathered_bytes=gathered)
+        gathered_bytes=gathered, error_feedback_bytes=feedback)

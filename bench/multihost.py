@@ -35,6 +35,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = {"zerokern ZeRO-2": ["--zero-stage", "2"], "zerokern ZeRO-3": ["--zero-stage", "3"],
             "zerokern hybrid ZeRO-2": ["--zero-stage", "2", "--mesh", "2,2"],
             "zerokern hybrid ZeRO-3": ["--zero-stage", "3", "--mesh", "2,2"],
+            "zerokern hybrid ZeRO-3 int8": ["--zero-stage", "3", "--mesh", "2,2", "--reduce-precision", "int8"],
+            "zerokern hybrid ZeRO-3 int4": ["--zero-stage", "3", "--mesh", "2,2", "--reduce-precision", "int4"],
+            "zerokern ZeRO-2 int4": ["--zero-stage", "2", "--reduce-precision", "int4"],
+            "zerokern ZeRO-3 int4 gather int8": ["--zero-stage", "3", "--reduce-precision", "int4",
+                                                 "--gather-precision", "int8"],
             "torch FSDP2 HSDP": ["--optimizer", "fsdp2", "--mesh", "2,2"],
             "torch DDP + AdamW": ["--optimizer", "torch"],
             # examples/train_gpt_deepspeed.py (DeepSpeed's ZeRO with zerokern.FusedAdam as its optimizer)
@@ -43,7 +48,9 @@ VARIANTS = {"zerokern ZeRO-2": ["--zero-stage", "2"], "zerokern ZeRO-3": ["--zer
 DEEPSPEED = {"DeepSpeed ZeRO-2", "DeepSpeed ZeRO-3 hpZ=2"}
 # which of the planner's counts a row is: (stage, hybrid)
 PLANNED = {"zerokern ZeRO-2": (2, False), "zerokern ZeRO-3": (3, False), "zerokern hybrid ZeRO-2": (2, True),
-           "zerokern hybrid ZeRO-3": (3, True), "torch FSDP2 HSDP": (3, True), "torch DDP + AdamW": (0, False),
+           "zerokern hybrid ZeRO-3": (3, True), "zerokern hybrid ZeRO-3 int8": (3, True),
+           "zerokern hybrid ZeRO-3 int4": (3, True), "zerokern ZeRO-2 int4": (2, False),
+           "zerokern ZeRO-3 int4 gather int8": (3, False), "torch FSDP2 HSDP": (3, True), "torch DDP + AdamW": (0, False),
            # hpZ gathers the params for backward within a host, for forward over all ranks, and
            # reduce-scatters the grads over all ranks: two flat collectives, as ZeRO-2
            "DeepSpeed ZeRO-2": (2, False), "DeepSpeed ZeRO-3 hpZ=2": (2, False)}

@@ -85,15 +85,17 @@ def train(args, rank=0, world=1, device="cpu"):
     model = GPT(args.vocab, args.d_model, args.heads, args.layers, args.ctx).to(device, dtype)
     # --mesh R,S: hybrid sharding, sharded over S ranks (a host) and replicated over R hosts
     mesh = tuple(int(n) for n in args.mesh.split(",")) if args.mesh else None
+    # what grads and gathered params travel in ([Note: quantized reductions] in zerokern/zero/comm/wire.py)
+    wire = dict(reduce_precision=args.reduce_precision, gather_precision=args.gather_precision)
     if args.optimizer == "zerokern" and args.zero_stage == 3:  # params sharded too: each block a unit
         for blk in model.blocks:
-            zerokern.shard(blk, stage=3, bucket_cap_mb=args.bucket_cap_mb, mesh=mesh)
-        zerokern.shard(model, stage=3, bucket_cap_mb=args.bucket_cap_mb, mesh=mesh)  # embedding, final norm
+            zerokern.shard(blk, stage=3, bucket_cap_mb=args.bucket_cap_mb, mesh=mesh, **wire)
+        zerokern.shard(model, stage=3, bucket_cap_mb=args.bucket_cap_mb, mesh=mesh, **wire)  # embedding, final norm
         opt = FusedZeroAdam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
         net = model
     elif args.optimizer == "zerokern":
         opt = FusedZeroAdam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
-                            zero_stage=args.zero_stage, bucket_cap_mb=args.bucket_cap_mb, mesh=mesh)
+                            zero_stage=args.zero_stage, bucket_cap_mb=args.bucket_cap_mb, mesh=mesh, **wire)
         net = model
     elif args.optimizer == "fsdp2":  # torch's FSDP2 (fully_shard), HSDP with --mesh, for comparison
         from torch.distributed.device_mesh import init_device_mesh
@@ -225,6 +227,11 @@ def parser():
     ap.add_argument("--optimizer", choices=["zerokern", "torch", "fsdp2"], default="zerokern",
                     help="torch: DDP + AdamW; fsdp2: torch's fully_shard + AdamW (HSDP with --mesh)")
     ap.add_argument("--mesh", help="R,S: hybrid sharding over R hosts x S ranks each (sharded within a host)")
+    ap.add_argument("--reduce-precision", choices=["fp32", "bf16", "int8", "int4"], default=None,
+                    help="zerokern: what the grads are reduced in (int8/int4: blocks with error feedback; with --mesh "
+                         "only between hosts)")
+    ap.add_argument("--gather-precision", choices=["int8"], default=None,
+                    help="zerokern: what gathered params travel in")
     ap.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
                     help="3: zerokern.shard(stage=3) on each block and the root")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")

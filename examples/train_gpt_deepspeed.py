@@ -44,6 +44,8 @@ def main():
     ap.add_argument("--batch", type=int, help="global batch (default: the config's micro batch x world)")
     ap.add_argument("--zero-stage", type=int, help="overrides the config's zero_optimization.stage")
     ap.add_argument("--hpz", type=int, default=1, help="ZeRO++ hpZ partition size (stage 3)")
+    ap.add_argument("--qwz", action="store_true", help="ZeRO++ qwZ: int8 blockwise weights in the stage-3 gathers")
+    ap.add_argument("--qgz", action="store_true", help="ZeRO++ qgZ: int4 gradients through an all-to-all (stage 3)")
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--log-json", help="per-step seconds and losses (rank 0)")
     ap = deepspeed.add_config_arguments(ap)
@@ -57,6 +59,10 @@ def main():
         config["zero_optimization"]["stage"] = args.zero_stage
     if args.hpz > 1:
         config["zero_optimization"]["zero_hpz_partition_size"] = args.hpz
+    if args.qwz:
+        config["zero_optimization"]["zero_quantized_weights"] = True
+    if args.qgz:
+        config["zero_optimization"]["zero_quantized_gradients"] = True
     args.deepspeed_config = None
 
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")

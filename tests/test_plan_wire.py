@@ -102,7 +102,7 @@ def test_choices_match_the_runtime():
     assert traffic.BLOCK == kernel_wire.BLOCK
     for n in (0, 1, 255, 256, 257, 4097):
         for bits, name in ((8, "int8"), (4, "int4")):
-            assert traffic.wire_bytes(n, name, 4) == kernel_wire.nbytes(n, bits), (n, name)
+            assert traffic.wire_bytes(n, name, 4) == wire.stride(n, bits), (n, name)
     for bad in (("int2", None), (None, "int4"), ("INT8", None)):
         for check in (traffic.check_precisions, wire.check_precisions):
             with pytest.raises(ValueError, match="choose one of"):

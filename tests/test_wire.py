@@ -31,9 +31,11 @@ def test_two_ranks_every_stage_and_precision():
     _close_to_full_precision(dist_harness.run(W.train, 2, cases, timeout=300), cases, rel=0.03)
 
 
-def test_four_ranks_flat_and_on_a_mesh():
-    flat = [(2, None), (2, "int4"), (0, "int8"), (1, "int4")]  # 0: the two-phase all-reduce of > 2 ranks
-    _close_to_full_precision(dist_harness.run(W.train, 4, flat, timeout=300), flat, rel=0.03)
+def test_three_flat_ranks_and_a_2x2_mesh():
+    # 0: the two-phase all-reduce of > 2 ranks, whose chunks (a third of a bucket) take byte counts
+    # that are not multiples of 4 (their scales were read unaligned once)
+    flat = [(2, None), (2, "int4"), (0, "int8"), (1, "int4")]
+    _close_to_full_precision(dist_harness.run(W.train, 3, flat, timeout=300), flat, rel=0.03)
     mesh = [(2, None), (2, "int4"), (3, "int8"), (0, "int4")]
     _close_to_full_precision(dist_harness.run(W.train, 4, mesh, (2, 2), timeout=300), mesh, rel=0.03)
 

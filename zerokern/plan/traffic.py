@@ -9,6 +9,7 @@ and a chunk of n elements quantized ([Note: the wire format] in zerokern/kernels
 of 256, an fp32 scale each) takes
     q(n) = 4 ceil(n / 256) + n          (int8)
     q(n) = 4 ceil(n / 256) + ceil(n / 2) (int4)
+rounded up to a multiple of 4 bytes (each chunk's scales start aligned in the collective's buffer).
 gather_precision="int8" sends each rank's shard of params as q(n) (int8) in the param
 all-gathers; None sends b n. The collectives ([Note: quantized reductions] in zerokern/zero/comm/
 wire.py), bytes one rank sends:
@@ -75,7 +76,7 @@ def wire_bytes(n: float, precision, dtype_bytes: float) -> float:
     if precision in CAST_BYTES:
         return CAST_BYTES[precision] * n
     n = math.ceil(n)
-    return 4 * -(-n // BLOCK) + (n if precision == "int8" else -(-n // 2))
+    return -(-(4 * -(-n // BLOCK) + (n if precision == "int8" else -(-n // 2))) // 4) * 4
 
 
 @dataclass(frozen=True)

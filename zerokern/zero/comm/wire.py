@@ -153,14 +153,20 @@ class GradWire:
         return out
 
 
+def stride(n: int, bits: int) -> int:
+    """The bytes a chunk of n values takes in a collective's buffer: wire.nbytes rounded up to 4, so
+    every chunk's fp32 scales start 4-byte aligned (an int4 or int8 chunk of odd length would not)."""
+    return -(-wire.nbytes(n, bits) // 4) * 4
+
+
 def all_reduce_bytes(part, world: int, w: Optional[GradWire]) -> int:
     """What one rank sends in an all-reduce of `part` over `world` ranks (a ring's 2 (w - 1) / w
     of it; [Note: quantized reductions]'s own ways when quantized)."""
     n = part.numel()
     if w is not None and w.bits is not None:
         if world == 2:
-            return wire.nbytes(n, w.bits)
-        return 2 * (world - 1) * wire.nbytes(-(-n // world), w.bits)
+            return stride(n, w.bits)
+        return 2 * (world - 1) * stride(-(-n // world), w.bits)
     size = part.element_size() if w is None or w.dtype is None else torch.finfo(w.dtype).bits // 8
     return n * size * 2 * (world - 1) // world
 
@@ -206,7 +212,7 @@ def reduce_scatter(output, input, group, rank: int, world: int, w: GradWire):
     on `group` ([Note: quantized reductions]); returns a Work that writes `output` when waited."""
     n = output.numel()
     x = w.with_residual(input, w.sent)
-    chunk = wire.nbytes(n, w.bits)
+    chunk = stride(n, w.bits)
     send = torch.empty(world * chunk, dtype=torch.uint8, device=x.device)
     error = torch.zeros_like(x)
     for r in range(world):
@@ -231,7 +237,7 @@ def all_reduce(tensor, group, rank: int, world: int, w: GradWire):
     n = tensor.numel()
     x = w.with_residual(tensor, w.sent)
     if world == 2:
-        size = wire.nbytes(n, w.bits)
+        size = stride(n, w.bits)
         mine = torch.empty(size, dtype=torch.uint8, device=x.device)
         error = torch.empty_like(x)
         w.encode(x, mine, 0, 0, error)
@@ -248,7 +254,7 @@ def all_reduce(tensor, group, rank: int, world: int, w: GradWire):
         return Finish(work, finish)
     c = -(-n // world)  # chunk r: [r c, min(n, (r + 1) c)); the last ones may be short or empty
     bounds = [(min(n, r * c), min(n, (r + 1) * c)) for r in range(world)]
-    chunk = wire.nbytes(c, w.bits)
+    chunk = stride(c, w.bits)
     send = torch.zeros(world * chunk, dtype=torch.uint8, device=x.device)
     error = torch.zeros_like(x)
     for r, (a, b) in enumerate(bounds):

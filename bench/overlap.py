@@ -120,11 +120,11 @@ class SimComm:
         w.kind = self._kind(name)
         return w
 
-    def reduce_scatter(self, output, input, name="reduce_scatter"):
-        return self._delay(self.inner.reduce_scatter(output, input, name), input, name)
+    def reduce_scatter(self, output, input, name="reduce_scatter", wire=None):
+        return self._delay(self.inner.reduce_scatter(output, input, name, wire), input, name)
 
-    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, name="all_reduce", across=None):
-        return self._delay(self.inner.all_reduce(tensor, op, name, across), tensor, name)
+    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, name="all_reduce", across=None, wire=None):
+        return self._delay(self.inner.all_reduce(tensor, op, name, across, wire), tensor, name)
 
     def all_gather(self, output, input, name="all_gather"):
         return self._delay(self.inner.all_gather(output, input, name), output, name)

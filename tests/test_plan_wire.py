@@ -95,16 +95,17 @@ def test_choices_match_the_runtime():
     """The planner repeats the runtime's tuples (it must not import torch): the same choices, and
     the runtime refuses what the planner refuses."""
     from zerokern.zero.comm import wire
+    from zerokern.zero.core import precision
 
-    assert traffic.REDUCE_PRECISIONS == wire.REDUCE_PRECISIONS
-    assert traffic.GATHER_PRECISIONS == wire.GATHER_PRECISIONS
+    assert traffic.REDUCE_PRECISIONS == precision.REDUCE_PRECISIONS
+    assert traffic.GATHER_PRECISIONS == precision.GATHER_PRECISIONS
     from zerokern.kernels import wire as kernel_wire
     assert traffic.BLOCK == kernel_wire.BLOCK
     for n in (0, 1, 255, 256, 257, 4097):
         for bits, name in ((8, "int8"), (4, "int4")):
             assert traffic.wire_bytes(n, name, 4) == wire.stride(n, bits), (n, name)
     for bad in (("int2", None), (None, "int4"), ("INT8", None)):
-        for check in (traffic.check_precisions, wire.check_precisions):
+        for check in (traffic.check_precisions, precision.check_precisions):
             with pytest.raises(ValueError, match="choose one of"):
                 check(*bad)
 

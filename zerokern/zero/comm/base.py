@@ -16,57 +16,19 @@ check's thread: it makes a side stream wait for an event recorded on the caller'
 the collective was queued, and launches from that side stream, so the ordering is the same.
 """
 
-import functools
 import os
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from . import wire as wire_comm
+from .works import _Done, finished  # noqa: F401 (finished: gloo.py and the tests take it from here)
 
 
 # torch 2.14 renamed the flat-tensor collectives; 2.11 has only the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-class _Done:
-    """A finished collective (world size 1)."""
-
-    def wait(self):
-        return True
-
-    def wait_for(self, seconds):
-        return True
-
-    def is_completed(self):
-        return True
-
-
-@functools.lru_cache(maxsize=8)
-def _delta(seconds) -> timedelta:
-    """(The check's poll interval is made once, not at every wait.)"""
-    return timedelta(seconds=max(seconds, 1e-3))
-
-
-def finished(work, seconds) -> bool:
-    """Waits up to `seconds` for a launched collective: True once it completed (a planned one's
-    wait checks in between whether the other ranks went elsewhere, comm/check.py)."""
-    bounded = getattr(work, "wait_for", None)  # zerokern's composites (comm/gloo.py)
-    if bounded is not None:
-        return bounded(seconds)
-    if isinstance(work, dist.Work):
-        try:  # a zero timeout would mean none: wait at least a millisecond
-            # gloo's send/recv say False on timeout, its collectives raise
-            return work.wait(_delta(seconds)) is not False
-        except RuntimeError as e:
-            if "timed out" in str(e).lower():
-                return False
-            raise
-    return True  # done when returned (an object all-gather)
 
 
 def _check_launched_alone():
@@ -169,12 +131,14 @@ class Comm:
 
     def _wired_reduce_scatter(self, output, input, name, w):
         """[Note: quantized reductions] (comm/wire.py); a cast for fp32/bf16."""
+        from . import wire as wire_comm  # here: base is imported by every Comm, and the chain stays short
         if w.bits is None:
             return self._cast(lambda o, i: self.reduce_scatter(o, i, name), output, input, w.dtype)
         return self._launch(name, input, lambda g: wire_comm.reduce_scatter(output, input, g, self.rank,
                                                                               self.world_size, w))
 
     def _wired_all_reduce(self, tensor, name, across, w):
+        from . import wire as wire_comm
         if w.bits is None:
             return self._cast(lambda o, i: self.all_reduce(i, name=name), tensor, tensor, w.dtype)
         if across is not None and across is not tensor and self._is_my_range(tensor, across):
@@ -191,11 +155,12 @@ class Comm:
     @staticmethod
     def _cast(run, output, input, dtype):
         """run(output, input) in `dtype`: the reduction of a copy, written back when waited for."""
+        from .wire import Finish
         if input.dtype == dtype and output.dtype == dtype:
             return run(output, input)
         i = input.to(dtype)
         o = i if output is input else torch.empty(output.shape, dtype=dtype, device=output.device)
-        return wire_comm.Finish(run(o, i), lambda: output.copy_(o))
+        return Finish(run(o, i), lambda: output.copy_(o))
 
     def all_gather(self, output, input, name="all_gather"):
         """Async all-gather of every rank's `input` into `output` (input may be output's own slice)."""

@@ -54,7 +54,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from ..core.errors import CollectiveMismatch, RankLost
-from .base import finished as _finished
+from .works import finished as _finished
 from .forecast import Forecast
 
 

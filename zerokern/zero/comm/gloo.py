@@ -22,7 +22,8 @@ from typing import Hashable, List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .base import Comm, finished
+from .base import Comm
+from .works import finished
 
 
 class _AllOf:

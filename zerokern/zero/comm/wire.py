@@ -46,21 +46,9 @@ from ...kernels import wire
 # torch 2.14 renamed the flat-tensor all-gather; 2.11 has only the old name
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-REDUCE_PRECISIONS = (None, "fp32", "bf16", "int8", "int4")
-GATHER_PRECISIONS = (None, "int8")
 _BITS = {"int8": 8, "int4": 4}
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 RESIDUAL_DTYPE = torch.bfloat16
-
-
-def check_precisions(reduce_precision, gather_precision) -> None:
-    """A ValueError naming the choices for a value that is not one."""
-    if reduce_precision not in REDUCE_PRECISIONS:
-        raise ValueError(f"zerokern: reduce_precision={reduce_precision!r}; choose one of {REDUCE_PRECISIONS} (None: "
-                         "the grads' own dtype)")
-    if gather_precision not in GATHER_PRECISIONS:
-        raise ValueError(f"zerokern: gather_precision={gather_precision!r}; choose one of {GATHER_PRECISIONS} "
-                         "(None: the params' own dtype)")
 
 
 class Residual:
@@ -188,7 +176,7 @@ class Finish:
         return self.then is None or self.work.is_completed()
 
     def wait_for(self, seconds) -> bool:
-        from .base import finished
+        from .works import finished
         if self.then is None or finished(self.work, seconds):
             self.wait()
             return True
@@ -285,5 +273,5 @@ def all_reduce(tensor, group, rank: int, world: int, w: GradWire):
             out = torch.zeros(hi - lo, dtype=torch.float32, device=x.device)
             wire_ops.decode_add_(gathered[r * chunk:r * chunk + wire.nbytes(hi - lo, w.bits)], hi - lo, w.bits, out)
             flat[lo:hi].copy_(out)
-    from .base import _Done
+    from .works import _Done
     return _Done()

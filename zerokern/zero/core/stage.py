@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from ...kernels import lowbit
-from ..comm.wire import check_precisions
+from .precision import check_precisions
 
 
 class GradMode(enum.Enum):

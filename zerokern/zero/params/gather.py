@@ -6,7 +6,9 @@ backward) is UnitParams / Stage3Runtime in params/per_unit.py, over the same mac
 What differs between the stages is one value, `frees` (stage 3: params/policy.py): at stages 1/2
 the full buffer always has its storage and this rank's slice is a view of it, so SHARDED only
 means "the other ranks' slices are stale" (the update wrote this rank's); at stage 3 the slice is
-a tensor of its own and the buffer's storage exists only while GATHERING or GATHERED.
+a tensor of its own and the buffer's storage exists only while GATHERING or GATHERED. With
+gather_precision="int8" a bucket's gather is its ParamWire's (params/wire_gather.py): the weights
+at stage 3, the update at stages 1/2, in int8, decoded by every rank into every slice.
 
 [Note: gather behind forward] After the update each rank holds new values for its own slice of
 each bucket only; one all-gather per bucket brings the rest. By default step() waits for them

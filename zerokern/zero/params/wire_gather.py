@@ -28,9 +28,16 @@ stage 3 the gathers of one step (forward, backward, a checkpoint's recompute) gi
 bytes, so backward computes with the weights forward used, and a rerun gives the same bytes.
 A non-finite value in a block makes its scale NaN: every element of that block decodes to NaN on
 every rank (a step with an inf/nan update shows on every rank's params, as an exact gather's
-would; it is never clamped to a finite value).
+would; it is never clamped to a finite value). At stages 1/2 the block's held params then stay
+NaN (each delta is NaN there) until new weights are loaded: a model.load_state_dict() writes the
+params in place, and the master re-reads them ([Note: in-place weights] in unit.py; so does a
+load of the model's own values, which loses the master's last sub-step rounding once).
 With a mesh the param gathers stay inside a host and are never quantized ([Note: hybrid
-sharding] in comm/hybrid.py: only the hop between hosts is, and param gathers never take it).
+sharding] in comm/hybrid.py: only the hop between hosts is, and param gathers never take it). A
+(1, N) mesh is one flat group (comm/factory.py), quantized as without a mesh.
+The bytes of a gather are made when it is launched and dropped once it is decoded (world x
+nbytes(n)), so memory_report() has nothing to count for them between steps; the masters that
+fp32 params now keep apart are counted as master_params.
 """
 
 import zlib

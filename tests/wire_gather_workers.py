@@ -96,7 +96,8 @@ def train(rank, world, stage, precision, dtype, steps, mesh=None):
         dist.all_reduce(t)
         losses.append(t.item() / world)
     full = _gathered(model, opt, stage)
-    out = dict(losses=losses, same=_same_on_every_rank(full, world), worst_ratio=worst_ratio, worst_abs=worst_abs,
+    regathered = _gathered(model, opt, stage)  # stage 3: the same step's key, so the same weights again
+    out = dict(losses=losses, same=_same_on_every_rank(full, world), regathered=torch.equal(full, regathered), worst_ratio=worst_ratio, worst_abs=worst_abs,
                violations=violations, bound_excess=bound_excess, report=opt.memory_report(),
                holds=[getattr(s, "holds_gathered", None) for s in stores])
     if stage != 3:  # the masters (exact) against the params every rank holds
@@ -165,3 +166,50 @@ def nonfinite(rank, world, stage, precision):
     full = _gathered(model, opt, stage)
     return dict(same=_same_on_every_rank(full, world), nonfinite=(~torch.isfinite(full)).nonzero().flatten().tolist(),
                 numel=full.numel(), head=(~torch.isfinite(model.head.weight)).sum().item() if stage != 3 else None)
+
+
+def _variant(variant, precision):
+    torch.manual_seed(0)
+    model = Net()
+    kw = dict(zero_stage=2, bucket_cap_mb=2e-3, gather_precision=precision)
+    if variant == "overlap_param_gather":
+        for b in model.blocks:
+            zerokern.shard(b, stage=2, bucket_cap_mb=2e-3, gather_precision=precision, overlap_param_gather=True)
+        zerokern.shard(model, stage=2, bucket_cap_mb=2e-3, gather_precision=precision, overlap_param_gather=True)
+        return model, zerokern.FusedZeroAdam(model.parameters(), lr=1e-2)
+    if variant == "offload":
+        return model, zerokern.FusedZeroAdam(model.parameters(), lr=1e-2, offload=zerokern.OffloadPolicy(), **kw)
+    if variant == "ZeroOptimizer":
+        return model, zerokern.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, **kw)
+    if variant == "int8_state":
+        return model, zerokern.FusedZeroAdam(model.parameters(), lr=1e-2, state_precision="int8", **kw)
+    return model, zerokern.FusedZeroAdam(model.parameters(), lr=1e-2, **kw)  # "state_dict_round_trip"
+
+
+def variants(rank, world, names):
+    """Stage 2 with int8 gathers and each of `names` against the same without: losses, every rank's
+    params, and the largest |master - held params| at the end."""
+    out = {}
+    for name in names:
+        for precision in (None, "int8"):
+            model, opt = _variant(name, precision)
+            g = torch.Generator().manual_seed(3 + rank)
+            losses = []
+            for k in range(20):
+                x = torch.randn(16, 8, generator=g)
+                y = torch.stack([x[:, 0].sin(), x[:, 1:3].sum(1).cos()], 1)
+                loss = nn.functional.mse_loss(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                if name == "state_dict_round_trip" and k == 9:  # the masters and the params, saved and loaded
+                    sd, msd = opt.state_dict(), {key: v.clone() for key, v in model.state_dict().items()}
+                    opt.load_state_dict(sd)
+                    model.load_state_dict(msd)
+                losses.append(loss.item())
+            opt.engine.finish_param_gather()
+            full = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            out[(name, precision)] = dict(
+                losses=losses, same=_same_on_every_rank(full, world),
+                gap=max(float((s.master.float() - s.param_shard().float()).abs().max()) for s in opt.engine.stores))
+    return out

@@ -183,7 +183,8 @@ class UnitShards(WholeParams):
 
     def after_update(self, units) -> None:
         for u in units:
-            self.runtime.of(u).updated()
+            if u.gathers is not None:  # its UnitParams (per_unit.py)
+                u.gathers.updated()
 
 
 def _inside(module, unit) -> bool:

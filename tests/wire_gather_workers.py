@@ -97,7 +97,8 @@ def train(rank, world, stage, precision, dtype, steps, mesh=None):
         losses.append(t.item() / world)
     full = _gathered(model, opt, stage)
     regathered = _gathered(model, opt, stage)  # stage 3: the same step's key, so the same weights again
-    out = dict(losses=losses, same=_same_on_every_rank(full, world), regathered=torch.equal(full, regathered), worst_ratio=worst_ratio, worst_abs=worst_abs,
+    out = dict(losses=losses, same=_same_on_every_rank(full, world), regathered=torch.equal(full, regathered),
+               worst_ratio=worst_ratio, worst_abs=worst_abs,
                violations=violations, bound_excess=bound_excess, report=opt.memory_report(),
                holds=[getattr(s, "holds_gathered", None) for s in stores])
     if stage != 3:  # the masters (exact) against the params every rank holds

@@ -73,6 +73,9 @@ def test_with_other_options():
             assert ref["same"] and q["same"], name
             assert q["gap"] < 1e-4, (name, q["gap"])
             assert q["losses"] == pytest.approx(ref["losses"], rel=1e-2), name
+        if r[("state_dict_round_trip", None)]["masters"] is not None:  # rank 0's full dict
+            assert r[("state_dict_round_trip", None)]["masters"] == []  # fp32 params are their masters
+            assert r[("state_dict_round_trip", "int8")]["masters"] == list(range(6))  # the held ones are not
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -195,7 +195,7 @@ def variants(rank, world, names):
         for precision in (None, "int8"):
             model, opt = _variant(name, precision)
             g = torch.Generator().manual_seed(3 + rank)
-            losses = []
+            losses, masters = [], None  # masters: the params full_state_dict() saves masters of (rank 0)
             for k in range(20):
                 x = torch.randn(16, 8, generator=g)
                 y = torch.stack([x[:, 0].sin(), x[:, 1:3].sum(1).cos()], 1)
@@ -205,12 +205,14 @@ def variants(rank, world, names):
                 opt.step()
                 if name == "state_dict_round_trip" and k == 9:  # the masters and the params, saved and loaded
                     sd, msd = opt.state_dict(), {key: v.clone() for key, v in model.state_dict().items()}
+                    full = opt.full_state_dict()  # rank 0's: the masters too where they are not the params
+                    masters = None if full is None else sorted(full.get("zerokern_master", {}))
                     opt.load_state_dict(sd)
                     model.load_state_dict(msd)
                 losses.append(loss.item())
             opt.engine.finish_param_gather()
             full = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
             out[(name, precision)] = dict(
-                losses=losses, same=_same_on_every_rank(full, world),
+                losses=losses, same=_same_on_every_rank(full, world), masters=masters,
                 gap=max(float((s.master.float() - s.param_shard().float()).abs().max()) for s in opt.engine.stores))
     return out

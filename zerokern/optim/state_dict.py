@@ -104,7 +104,7 @@ def full_state_dict(opt):
                 state[k] = {"step": torch.tensor(float(step))}
                 for key, (full, full_scales) in moments.items():
                     state[k][key] = _decoded(full[sl], full_scales, slot.offset, SECOND[key]).view(shape)
-            if w is not None and s.low_precision:
+            if w is not None and (s.low_precision or s.holds_gathered):  # not the params' values: kept
                 masters[k] = w[sl].view(shape).clone()
     if not opt.comm.leads:
         return None

@@ -90,7 +90,13 @@ def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket
     reduce_precision (None, "fp32", "bf16", "int8", "int4"): what the grads travel in when they are
     reduced; int8/int4 are blockwise codes summed after decoding, with error feedback ([Note: quantized
     reductions] in zero/comm/wire.py). With a mesh only the hop between hosts is quantized.
-    gather_precision (None, "int8"): what gathered params travel in. The same on every shard() call."""
+    gather_precision (None, "int8"): what gathered params travel in: int8 codes with an fp32 scale per
+    256 elements (3.94x fewer bytes than fp32 params). At stage 3 the weights are quantized for each
+    forward and backward, the shards stay exact; at stages 1/2 each step gathers the update (master minus
+    the params every rank holds), so the params are bit-identical on every rank and within one int8 step
+    of the fp32 masters, which the optimizer then keeps apart from fp32 params too ([Note: quantized param
+    gathers] in zero/params/wire_gather.py). With a mesh the param gathers stay inside a host and full
+    precision. The same on every shard() call."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"shard() takes an nn.Module, got {type(module).__name__}")
     if isinstance(module, ZeroModule):

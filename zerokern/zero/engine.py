@@ -78,8 +78,15 @@ class ZeroEngine:
                     m.t = tindex[m.param]  # its index among this optimizer's trainable params
         self._broadcast_params()  # before the stores read their masters
         self.stage3 = self.param_policy.start(self.comm, forward_order(owned, index))  # stage 3's runtime, or None
-        self.stores = [ShardStore(f, b, config.offload, state_keys) if state is None else LowBitStore(f, b, state)
-                       for f, b in placed]
+        # [Note: quantized param gathers]: at stages 1/2 the params then hold what the gathers gave
+        holds = self.param_policy.holds_gathered(self.comm, config.gather_precision)
+        if holds and state is not None and not state.master_weights:
+            raise ValueError(f"zerokern: {what}(gather_precision={config.gather_precision!r}) at stage "
+                             f"{strategy.stage} needs fp32 master weights: the params hold the gathered values, "
+                             "within one int8 step of the masters, and the masters what was trained exactly. Pass "
+                             "master_weights=True, or gather_precision=None")
+        self.stores = [ShardStore(f, b, config.offload, state_keys, holds_gathered=holds) if state is None
+                       else LowBitStore(f, b, state, holds_gathered=holds) for f, b in placed]
         self.agreement = Agreement(self.comm, strategy, path, self.schedule, self.stores,
                                    [[tindex[f.params[i]] for i in f.layout.buckets[b].tensors] for f, b in placed],
                                    self.trainable, what)
@@ -97,7 +104,8 @@ class ZeroEngine:
         if config.overlap_param_gather:  # unit by unit, as the forward reaches them (sort is stable)
             position = {id(u): k for k, u in enumerate(forward_order(owned, index))}
             in_order = sorted(in_order, key=lambda s: position[id(unit_of(s.flat.params[0]))])
-        self.param_gather = self.param_policy.after_step_gather(self.comm, in_order, config.overlap_param_gather)
+        self.param_gather = self.param_policy.after_step_gather(self.comm, in_order, config.overlap_param_gather,
+                                                                config.gather_precision if holds else None)
         if self.param_gather.overlap:
             self.param_gather.hook_modules(owned)
         self.flags = RoundFlags()
@@ -140,6 +148,7 @@ class ZeroEngine:
             for store in self.stores:
                 store.finish()
             self.param_gather.updated()  # _prepare waited for the last step's gathers
+            self.param_policy.after_update(self.units)
         self.flags.last_step_skipped = bool(step.skip and any(step.had))
         self.flags.new_round()
         self.schedule.end_round(release=self.strategy.frees_grads_after_step, updated=step.updates)

@@ -7,7 +7,8 @@ bucket's grads are reduce-scattered there, then each rank's reduced shard is all
 the replicas (the ranks that hold the same shard on the other hosts), so the slow link carries
 1/shard-size of a bucket, as DeepSpeed ZeRO++'s hpZ and FSDP2's HSDP do; the sum is divided by
 the whole mesh's size. Replicas then hold identical shards and do identical updates, so the
-param gathers never cross hosts. Agreements (flags, overflow, setup broadcasts, the checks that
+param gathers never cross hosts (so gather_precision leaves them full precision: [Note: quantized
+param gathers] in params/wire_gather.py). Agreements (flags, overflow, setup broadcasts, the checks that
 every rank passed the same model) go over the whole mesh, so every rank still raises alike.
 
 With the collective check on, the replica all-reduce of a shard is queued at once and launched

@@ -6,7 +6,9 @@ backward) is UnitParams / Stage3Runtime in params/per_unit.py, over the same mac
 What differs between the stages is one value, `frees` (stage 3: params/policy.py): at stages 1/2
 the full buffer always has its storage and this rank's slice is a view of it, so SHARDED only
 means "the other ranks' slices are stale" (the update wrote this rank's); at stage 3 the slice is
-a tensor of its own and the buffer's storage exists only while GATHERING or GATHERED.
+a tensor of its own and the buffer's storage exists only while GATHERING or GATHERED. With
+gather_precision="int8" a bucket's gather is its ParamWire's (params/wire_gather.py): the weights
+at stage 3, the update at stages 1/2, in int8, decoded by every rank into every slice.
 
 [Note: gather behind forward] After the update each rank holds new values for its own slice of
 each bucket only; one all-gather per bucket brings the rest. By default step() waits for them
@@ -29,15 +31,22 @@ from typing import Dict, List
 import torch
 
 from ..core.states import ParamState
+from .wire_gather import param_wire
 
 
 class BucketParams:
     """One param bucket's full buffer: the one place that says whether it holds every rank's values."""
 
-    def __init__(self, flat, b: int, comm, frees: bool, counter=None):
+    def __init__(self, flat, b: int, comm, frees: bool, counter=None, wire=None, master=None):
         """frees: the buffer's storage exists only while gathered (stage 3; flat.param_shards then
-        holds this rank's slice). counter: what adds up the gathered bytes (Stage3Runtime), or None."""
+        holds this rank's slice). counter: what adds up the gathered bytes (Stage3Runtime), or None.
+        wire: a ParamWire where the gathers travel in int8 ([Note: quantized param gathers] in
+        params/wire_gather.py); master: then, at stages 1/2, the store's exact fp32 master of this
+        rank's slice, whose difference from the held params is what is sent."""
         self.flat, self.b, self.comm, self.frees, self.counter = flat, b, comm, frees, counter
+        self.wire, self.master = wire, master
+        if wire is not None and not frees and master is None:
+            raise RuntimeError("zerokern internal error: a quantized gather after the step needs the master")
         self.state = ParamState.GATHERED  # built from whole params
         self._work = None
         if frees:
@@ -56,13 +65,19 @@ class BucketParams:
             nbytes = buf.numel() * buf.element_size()
             buf.untyped_storage().resize_(nbytes)
             self._count(nbytes)
-            start, end = f.layout.rank_range(f.rank, self.b)
-            mine = buf[start:end]
-            with torch.no_grad():
-                mine.copy_(f.param_shards[self.b])
+        name = f"all_gather[{f.buckets[self.b].name}]"
+        if self.wire is not None:  # every rank's slice from its int8 bytes, this rank's too
+            self._work = (self.wire.gather_weights(self.comm, buf, f.param_shards[self.b], name) if self.frees
+                          else self.wire.gather_delta(self.comm, buf, self.master, name))
         else:
-            mine = f.param_shard(self.b)  # a view of the buffer: the gather is in place
-        self._work = self.comm.all_gather(buf, mine, name=f"all_gather[{f.buckets[self.b].name}]")
+            if self.frees:
+                start, end = f.layout.rank_range(f.rank, self.b)
+                mine = buf[start:end]
+                with torch.no_grad():
+                    mine.copy_(f.param_shards[self.b])
+            else:
+                mine = f.param_shard(self.b)  # a view of the buffer: the gather is in place
+            self._work = self.comm.all_gather(buf, mine, name=name)
         self.state = ParamState.GATHERING
 
     def wait(self) -> None:
@@ -95,14 +110,17 @@ class GatherAfterStep:
     """Stages 1/2: the buckets' gathers after each update, in the order the next forward uses
     them, and (with overlap_param_gather) the module pre-hooks that wait for them."""
 
-    def __init__(self, comm, stores, overlap: bool = False):
+    def __init__(self, comm, stores, overlap: bool = False, precision=None):
         """stores: the ShardStores in the order the next forward uses them (the reverse of backward's);
         none where nothing is gathered (one rank, or stage 0). overlap: overlap_param_gather (the
-        gathers are waited for by the next forward's hooks, not at once)."""
+        gathers are waited for by the next forward's hooks, not at once). precision: "int8" where
+        the gathers send each update quantized ([Note: quantized param gathers] in
+        params/wire_gather.py; the stores then hold the masters apart from the params), else None."""
         self.comm = comm
         self.stores = stores
         self.overlap = overlap
-        self.buckets = [BucketParams(s.flat, s.b, comm, frees=False) for s in stores]
+        self.buckets = [BucketParams(s.flat, s.b, comm, frees=False, wire=param_wire(precision, comm, s.flat, s.b),
+                                     master=s.master) for s in stores]
         self._pending = 0  # buckets in GATHERING: 0 makes every hook return at once
 
     @property
@@ -114,6 +132,8 @@ class GatherAfterStep:
         the last step's gathers first: they share the buffers)."""
         for bp in self.buckets:
             bp.release()
+            if bp.wire is not None:
+                bp.wire.updates += 1  # a new key for the rounding of each update
             bp.launch()
         self._pending = len(self.buckets)
         if not self.overlap:

@@ -43,6 +43,7 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from . import model_state
 from .gather import BucketParams
+from .wire_gather import param_wire
 from ..core.states import ParamState
 
 
@@ -152,7 +153,8 @@ class UnitParams:
             self.comm.wait(w)
         for f in self.flats:
             f.shard_params()
-            self.buckets += [BucketParams(f, b, self.comm, frees=True, counter=self.runtime)
+            self.buckets += [BucketParams(f, b, self.comm, frees=True, counter=self.runtime,
+                                          wire=param_wire(self.unit.config.gather_precision, self.comm, f, b))
                              for b in range(len(f.param_bufs.buffers))]
         self.reshard()
 
@@ -190,6 +192,13 @@ class UnitParams:
             f.bind_empty(self._empty[key])
         for bp in self.buckets:
             bp.release()
+
+    def updated(self) -> None:
+        """The update wrote the slices: the next gathers round with a new key ([Note: quantized
+        param gathers]; the gathers of one step give the same bytes)."""
+        for bp in self.buckets:
+            if bp.wire is not None:
+                bp.wire.updates += 1
 
     def nbytes(self) -> int:
         """Bytes of param memory this rank holds now: its slices and any full buffer."""

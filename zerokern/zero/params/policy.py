@@ -18,6 +18,7 @@ from .gather import GatherAfterStep
 from .generate import sync_generate
 from .materialize import in_scope
 from .per_unit import add_foreign_use, joined
+from .wire_gather import quantizes
 
 
 def param_policy(strategy: Strategy):
@@ -70,14 +71,24 @@ class WholeParams:
         """The stage-3 runtime of the group, if any (None)."""
         return None
 
-    def after_step_gather(self, comm, stores, overlap: bool) -> GatherAfterStep:
-        """The gathers of the updated shards after each step (stages 1/2 on several ranks)."""
+    def holds_gathered(self, comm, precision) -> bool:
+        """Do the model's params hold what quantized gathers gave rather than the masters? Then
+        the stores keep an fp32 master apart from the param shard, the fp32 params' too
+        ([Note: quantized param gathers] in params/wire_gather.py). Stages 1/2 on several ranks."""
+        return self.gathers_after_step and quantizes(precision, comm)
+
+    def after_step_gather(self, comm, stores, overlap: bool, precision=None) -> GatherAfterStep:
+        """The gathers of the updated shards after each step (stages 1/2 on several ranks);
+        precision: gather_precision."""
         if not self.gathers_after_step:
             return GatherAfterStep(comm, [])
-        return GatherAfterStep(comm, stores, overlap=overlap)
+        return GatherAfterStep(comm, stores, overlap=overlap, precision=precision)
 
     def before_update(self, units) -> None:
         """Before the update writes the masters and params."""
+
+    def after_update(self, units) -> None:
+        """The update wrote the masters and params (the gathers after it are after_step_gather's)."""
 
 
 class UnitShards(WholeParams):
@@ -164,8 +175,16 @@ class UnitShards(WholeParams):
         self.runtime.expect_order(order)
         return self.runtime
 
+    def holds_gathered(self, comm, precision) -> bool:
+        return False  # the slices are exact; only the gathered copies, freed after use, are quantized
+
     def before_update(self, units) -> None:
         self.runtime.reshard_all(units)  # the update writes the slices; a gathered unit would go stale
+
+    def after_update(self, units) -> None:
+        for u in units:
+            if u.gathers is not None:  # its UnitParams (per_unit.py)
+                u.gathers.updated()
 
 
 def _inside(module, unit) -> bool:

@@ -28,14 +28,16 @@ class LowBitStore(ShardStore):
     """ShardStore's protocol and master bookkeeping (refresh_master, refresh_params, the round-trip
     check), over state of another precision; no offload."""
 
-    def __init__(self, flat: "FlatParams", b: int, policy: StatePolicy):  # noqa: D107 (ShardStore's allocation differs)
+    def __init__(self, flat: "FlatParams", b: int, policy: StatePolicy,  # noqa: D107 (ShardStore's allocation differs)
+                 holds_gathered: bool = False):
         self.flat, self.b, self.policy = flat, b, policy
+        self.holds_gathered = holds_gathered  # as ShardStore's (the engine refuses it without masters)
         self.bucket = flat.buckets[b]
         shard = self._param_shard = flat.param_shard(b)
         self.device = shard.device
         self.offloaded = False
         self.low_precision = shard.dtype != torch.float32
-        self.separate_master = policy.master_weights and self.low_precision
+        self.separate_master = policy.master_weights and (self.low_precision or holds_gathered)
         self.master = torch.zeros_like(shard, dtype=torch.float32) if self.separate_master else shard
         self.staging = None
         n = shard.numel()
@@ -58,7 +60,7 @@ class LowBitStore(ShardStore):
     def operands(self):
         """(params, grad, exp_avg, exp_avg_sq, model): params the fp32 master, or without one the
         bf16 param shard itself; model the bf16/fp16 shard written from a separate master."""
-        model = self._param_shard if self.separate_master else None
+        model = self._param_shard if self.separate_master and not self.holds_gathered else None
         return (self.master, self.bucket.reduced_grad(), self.state["exp_avg"], self.state["exp_avg_sq"], model)
 
     def finish(self) -> None:

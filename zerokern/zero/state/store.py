@@ -10,6 +10,12 @@ and only here: on the param's device, the fp32 param shard is its own master
 offload, the master is a separate fp32 copy in (pinned) CPU memory, the
 reduced grad is staged to the CPU before the update and the new param shard
 is copied back after it (operands() / finish()).
+
+With quantized param gathers at stages 1/2 (`holds_gathered`, [Note: quantized param gathers]
+in params/wire_gather.py) the param shard holds what every rank reconstructed from the gathers,
+within one int8 step of the master, so the master is always a tensor of its own (fp32 params
+too: counted as master_params) and the update writes only the master; the gather after it sends
+master - params and writes the params of every rank, this one's too.
 """
 
 from typing import TYPE_CHECKING, Optional, Sequence
@@ -25,9 +31,10 @@ if TYPE_CHECKING:  # annotations only: a store sits below the unit that it is bu
 
 class ShardStore:
     def __init__(self, flat: "FlatParams", b: int, offload: Optional[OffloadPolicy],
-                 state_keys: Sequence[str] = ("exp_avg", "exp_avg_sq")):
+                 state_keys: Sequence[str] = ("exp_avg", "exp_avg_sq"), holds_gathered: bool = False):
         """state_keys: the optimizer's fp32 state per element (Adam's two moments; none for an
-        optimizer that keeps its own, ZeroOptimizer's inner torch optimizer)."""
+        optimizer that keeps its own, ZeroOptimizer's inner torch optimizer). holds_gathered: the
+        param shard holds quantized gathers' values, not the master (see above)."""
         self.flat, self.b = flat, b
         self.bucket: "GradBucket" = flat.buckets[b]
         param_shard = self._param_shard = flat.param_shard(b)  # a view of a buffer the unit keeps for good
@@ -41,11 +48,13 @@ class ShardStore:
         self.state = {key: alloc() for key in state_keys}
         self.offloaded = self.device != param_shard.device
         self.low_precision = param_shard.dtype != torch.float32
-        # The param shard is its own fp32 master only on its own device.
-        self.separate_master = self.low_precision or self.offloaded
+        self.holds_gathered = holds_gathered
+        # The param shard is its own fp32 master only on its own device, and only where it holds the master.
+        self.separate_master = self.low_precision or self.offloaded or holds_gathered
         self.master = alloc() if self.separate_master else param_shard
-        # The kernel writes low-precision params into this (on the store's device).
-        self.staging = alloc(param_shard.dtype) if (self.offloaded and self.low_precision) else None
+        # The kernel writes low-precision params into this (on the store's device); the gather writes held ones.
+        self.staging = (alloc(param_shard.dtype) if (self.offloaded and self.low_precision and not holds_gathered)
+                        else None)
         self.refresh_master()  # so a state dict taken before the first step holds the weights
         # A separate master is read again at the first step: weights loaded into the model
         # between construction and the first step are the ones trained.
@@ -114,13 +123,13 @@ class ShardStore:
             # would need an event wait first; overlapping these copies is future work).
             grad = grad.to(self.device)
         model = None
-        if self.low_precision:
+        if self.low_precision and not self.holds_gathered:  # held params: the gather writes them
             model = self.staging if self.offloaded else self.param_shard()
         return (self.master, grad, *self.state.values(), model)
 
     def finish(self) -> None:
         """After the kernel: an offloaded store sends the new params back."""
-        if self.offloaded:
+        if self.offloaded and not self.holds_gathered:
             # Blocking too: the next update writes the staging buffer again.
             self.param_shard().copy_(self.staging if self.low_precision else self.master)
 

@@ -218,6 +218,7 @@ def extensions():
                     "csrc/cuda/adam_cuda_f16.cu",
                     "csrc/cuda/adam_cuda_bf16.cu",
                     "csrc/cuda/lowbit_cuda.cu",
+                    "csrc/cuda/wire_cuda.cu",
                 ],
                 include_dirs=include + wheel_cuda_includes(),
                 extra_compile_args={

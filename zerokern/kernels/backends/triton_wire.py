@@ -17,6 +17,8 @@ from . import triton_common
 from .triton_lowbit import _random16
 
 BLOCK = wire.BLOCK
+# every launch's compile options: see the module's docstring (tests/codegen_triton.py compiles with them too)
+OPTIONS = {"enable_fp_fusion": False}
 
 
 @triton.jit
@@ -117,7 +119,7 @@ def encode_(x, out, bits, seed, step, stream, base, error):
         _encode_kernel[(nb,)](x, out, error if error is not None else out, n, nb,
                               seed - 2**64 if seed >= 2**63 else seed, step, wire.STREAM_WIRE + stream, base,
                               BITS=bits, HAS_ERR=error is not None, X_BF16=x.dtype == torch.bfloat16,
-                              BLOCK=BLOCK, enable_fp_fusion=False)
+                              BLOCK=BLOCK, **OPTIONS)
 
 
 def decode_(buf, n, bits, out, accumulate):
@@ -125,5 +127,4 @@ def decode_(buf, n, bits, out, accumulate):
         return
     nb = wire.num_blocks(n)
     with triton_common.device_guard(out.device):
-        _decode_kernel[(nb,)](buf, out, n, nb, BITS=bits, ACCUMULATE=accumulate, BLOCK=BLOCK,
-                              enable_fp_fusion=False)
+        _decode_kernel[(nb,)](buf, out, n, nb, BITS=bits, ACCUMULATE=accumulate, BLOCK=BLOCK, **OPTIONS)

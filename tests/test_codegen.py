@@ -28,7 +28,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CUDA_DIR = ROOT / "csrc" / "cuda"
-KERNEL_FILES = ["adam_cuda.cu", "adam_cuda_f32.cu", "adam_cuda_f16.cu", "adam_cuda_bf16.cu", "cast_cuda.cu"]
+KERNEL_FILES = ["adam_cuda.cu", "adam_cuda_f32.cu", "adam_cuda_f16.cu", "adam_cuda_bf16.cu", "cast_cuda.cu",
+                "wire_cuda.cu"]
 SIZE = {"float": 4, "__half": 2, "__nv_bfloat16": 2}
 
 
@@ -132,6 +133,15 @@ def test_cuda_register_use_fits_the_blocks_the_launch_bounds_promise(cuda_kernel
     assert len(kernels) == 18
     for name, (_, res) in kernels.items():
         assert res["REG"] <= budget, f"{name} uses {res['REG']} registers; {min_blocks} x {threads} threads need <= {budget}"
+        assert res["LOCAL"] == 0 and res["STACK"] == 0, f"{name} spills: {res}"
+
+
+def test_cuda_wire_kernels_compile_without_spills(cuda_kernels):
+    """The wire kernels cannot run here: each instantiation (x fp32, fp16, bf16; decode) compiles for
+    sm_90 and keeps its Philox state in registers."""
+    kernels = {n: d for n, d in cuda_kernels.items() if "wire_encode_kernel<" in n or "wire_decode_kernel" in n}
+    assert len(kernels) == 4, sorted(kernels)
+    for name, (_, res) in kernels.items():
         assert res["LOCAL"] == 0 and res["STACK"] == 0, f"{name} spills: {res}"
 
 

@@ -1,11 +1,8 @@
 """The wire format's kernels (zerokern.kernels.wire_ops) give wire.py's bytes exactly: codes and
 scales, the error output and the decoded values, bit for bit, for int8 and int4, odd lengths,
 zero, tiny, inf and NaN blocks, and every key of the random stream. Small sizes: the Triton
-kernels run under TRITON_INTERPRET on a CPU-only machine (conftest sets it)."""
-
-import os
-import subprocess
-import sys
+kernels run under TRITON_INTERPRET on a CPU-only machine (conftest sets it). The CPU kernel's other
+SIMD variants are compared with the default one in tests/test_cpu_variants.py."""
 
 import pytest
 import torch
@@ -153,47 +150,6 @@ def test_cpu_same_bytes_at_any_thread_count():
     assert torch.equal(got[0][0], wire.encode(x, 4, *KEY))
     for out, err in got[1:]:
         assert torch.equal(out, got[0][0]) and torch.equal(bits_of(err), bits_of(got[0][1]))
-
-
-VARIANT_SCRIPT = r"""
-import sys, torch
-from zerokern.kernels import wire, wire_ops
-bits_of = lambda t: t.view(torch.int32)
-for x, bits, ref, ref_err, dec in torch.load(sys.argv[1]):
-    out = torch.empty(wire.nbytes(x.numel(), bits), dtype=torch.uint8); err = torch.empty(x.numel())
-    wire_ops.encode_(x, out, bits, *KEY, error=err, backend="cpu")
-    assert torch.equal(out, ref) and torch.equal(bits_of(err), bits_of(ref_err)), (x.numel(), x.dtype, bits)
-    acc = torch.ones(x.numel())
-    wire_ops.decode_add_(ref, x.numel(), bits, acc, backend="cpu")
-    assert torch.equal(bits_of(acc), bits_of(1 + dec)), (x.numel(), bits)
-print(torch.ops.zerokern.cpu_capability())
-""".replace("*KEY", ", ".join(map(str, KEY)))
-
-
-@pytest.mark.skipif(wire_ops.wire_backend("auto", torch.device("cpu")).__name__.endswith("torch_wire"),
-                    reason="the CPU extension is not built")
-def test_every_cpu_variant_gives_the_references_bytes(tmp_path):
-    """avx2 and baseline (this process runs the widest the CPU has): the variant is chosen once per
-    process, so each runs in a subprocess, both at once, on cases whose reference is computed here."""
-    cases = []
-    for name in ("257", "special-1337"):
-        for dtype in (torch.float32, torch.bfloat16):
-            for bits in BITS:
-                x = CHUNKS[name].to(dtype)
-                ref, ref_err = wire.encode_with_error(x, bits, *KEY)
-                cases.append((x, bits, ref, ref_err, wire.decode(ref, x.numel(), bits)))
-    torch.save(cases, tmp_path / "cases.pt")
-    procs = {}
-    for variant in ("avx2", "baseline"):
-        env = dict(os.environ, ZEROKERN_CPU_CAPABILITY=variant)
-        procs[variant] = subprocess.Popen([sys.executable, "-c", VARIANT_SCRIPT, str(tmp_path / "cases.pt")],
-                                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for variant, p in procs.items():
-        out, err = p.communicate(timeout=120)
-        if "lacks the instructions" in err:
-            continue  # this CPU cannot run it
-        assert p.returncode == 0, f"{variant}: {err[-2000:]}"
-        assert out.strip().splitlines()[-1] == variant
 
 
 @pytest.mark.skipif(not hasattr(torch.ops.zerokern, "wire_encode_"), reason="the CPU extension is not built")

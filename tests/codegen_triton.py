@@ -12,7 +12,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from zerokern.kernels.backends import triton_adam, triton_flat, triton_lowbit
+from zerokern.kernels.backends import triton_adam, triton_flat, triton_lowbit, triton_wire
 
 DTYPES = {"fp32": tl.float32, "fp16": tl.float16, "bf16": tl.bfloat16}
 TABLES = {"table_ptr": "*i64", "tile_tensor_ptr": "*i32", "first_tile_ptr": "*i64", "numel_ptr": "*i64",
@@ -41,6 +41,17 @@ def ptx_counts(kernel, constexprs, num_warps):
             "st_v4": len(re.findall(r"\bst" + vector, ptx))}
 
 
+def wire_fmas(kernel, constexprs, num_warps, options):
+    """FMAs in the sm_90 PTX of a wire kernel compiled with `options` (its launches' own, or not)."""
+    ints = {"n": "i64", "nb": "i64", "seed": "i64", "step": "i32", "stream": "i32", "base": "i64"}
+    signature = {name: "constexpr" if name in constexprs else
+                 ("*u8" if name in ("out_ptr", "buf_ptr") else "*fp32") if name.endswith("_ptr") else ints[name]
+                 for name in kernel.arg_names}
+    src = ASTSource(kernel, signature=signature, constexprs=constexprs)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, **options}).asm["ptx"]
+    return {"fma": len(re.findall(r"\bfma\.", ptx))}
+
+
 def main(num_warps):
     out = {}
     for grad in DTYPES:
@@ -65,6 +76,11 @@ def main(num_warps):
                     "GRAD_T": DTYPES[grad], "PARAM_T": DTYPES[param], "STATE": state, "STATE_T": state_t,
                     "HAS_OUT": model is not None, "OUT_T": DTYPES[model or "fp16"], "BLOCK": triton_lowbit.BLOCK,
                 }, num_warps)
+    for name, options in (("launch", triton_wire.OPTIONS), ("default", {})):
+        out[f"wire encode options={name}"] = wire_fmas(triton_wire._encode_kernel, {
+            "BITS": 4, "HAS_ERR": True, "X_BF16": False, "BLOCK": triton_wire.BLOCK}, num_warps, options)
+        out[f"wire decode options={name}"] = wire_fmas(triton_wire._decode_kernel, {
+            "BITS": 8, "ACCUMULATE": True, "BLOCK": triton_wire.BLOCK}, num_warps, options)
     print(json.dumps(out))
 
 

@@ -28,7 +28,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CUDA_DIR = ROOT / "csrc" / "cuda"
-KERNEL_FILES = ["adam_cuda.cu", "adam_cuda_f32.cu", "adam_cuda_f16.cu", "adam_cuda_bf16.cu", "cast_cuda.cu"]
+KERNEL_FILES = ["adam_cuda.cu", "adam_cuda_f32.cu", "adam_cuda_f16.cu", "adam_cuda_bf16.cu", "cast_cuda.cu",
+                "wire_cuda.cu"]
 SIZE = {"float": 4, "__half": 2, "__nv_bfloat16": 2}
 
 
@@ -135,6 +136,15 @@ def test_cuda_register_use_fits_the_blocks_the_launch_bounds_promise(cuda_kernel
         assert res["LOCAL"] == 0 and res["STACK"] == 0, f"{name} spills: {res}"
 
 
+def test_cuda_wire_kernels_compile_without_spills(cuda_kernels):
+    """The wire kernels cannot run here: each instantiation (x fp32, fp16, bf16; decode) compiles for
+    sm_90 and keeps its Philox state in registers."""
+    kernels = {n: d for n, d in cuda_kernels.items() if "wire_encode_kernel<" in n or "wire_decode_kernel" in n}
+    assert len(kernels) == 4, sorted(kernels)
+    for name, (_, res) in kernels.items():
+        assert res["LOCAL"] == 0 and res["STACK"] == 0, f"{name} spills: {res}"
+
+
 # ---- Triton ----------------------------------------------------------------------------------------
 
 BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -195,3 +205,12 @@ def test_triton_lowbit_compiles_for_sm90_in_every_variant(triton_ptx):
     assert len(lowbit) == 12, sorted(lowbit)
     for key, counts in lowbit.items():
         assert counts["ld"] >= 4, (key, counts)  # param, grad, two moments (and the tables)
+
+
+def test_triton_wire_kernels_round_twice_where_the_reference_does(triton_ptx):
+    """x * inv + u, x - code * scale and out + code * scale are two roundings each in wire.py; Triton
+    fuses them into FMAs by default (it did: 4 in encode, 2 in decode), which would change the
+    bytes on a GPU. The launches' options (triton_wire.OPTIONS) leave none."""
+    for op in ("encode", "decode"):
+        assert triton_ptx[f"wire {op} options=launch"]["fma"] == 0, triton_ptx[f"wire {op} options=launch"]
+        assert triton_ptx[f"wire {op} options=default"]["fma"] > 0  # what the check would miss otherwise

@@ -63,3 +63,12 @@ if cpu_error is None:
     @torch.library.register_fake("zerokern::unflatten_into_")
     def _unflatten_into_fake(flat, targets, offsets=None):
         return None
+
+if cpu_error is None and hasattr(torch.ops.zerokern, "wire_encode_"):  # a library built before the wire ops lacks them
+    @torch.library.register_fake("zerokern::wire_encode_")
+    def _wire_encode_fake(x, out, error, bits, seed, step, stream, base):
+        return None
+
+    @torch.library.register_fake("zerokern::wire_decode_")
+    def _wire_decode_fake(buf, n, bits, out, accumulate):
+        return None

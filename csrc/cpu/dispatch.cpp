@@ -30,9 +30,12 @@ bool cpu_has(const char* feature) {
 // (for tests and for comparing variants; asking for one the CPU lacks is an error).
 Variant choose_variant() {
   static const Variant variants[] = {
-      {"avx512", avx512::adam_span, avx512::roof_span, avx512::cast_span, avx512::lowbit_blocks},
-      {"avx2", avx2::adam_span, avx2::roof_span, avx2::cast_span, avx2::lowbit_blocks},
-      {"baseline", baseline::adam_span, baseline::roof_span, baseline::cast_span, baseline::lowbit_blocks},
+      {"avx512", avx512::adam_span, avx512::roof_span, avx512::cast_span, avx512::lowbit_blocks,
+       avx512::wire_encode_blocks, avx512::wire_decode_blocks},
+      {"avx2", avx2::adam_span, avx2::roof_span, avx2::cast_span, avx2::lowbit_blocks,
+       avx2::wire_encode_blocks, avx2::wire_decode_blocks},
+      {"baseline", baseline::adam_span, baseline::roof_span, baseline::cast_span, baseline::lowbit_blocks,
+       baseline::wire_encode_blocks, baseline::wire_decode_blocks},
   };
   const char* wanted = std::getenv("ZEROKERN_CPU_CAPABILITY");
   if (wanted && *wanted) {

@@ -1,4 +1,4 @@
-// The CPU kernels (adam_isa.inc, cast_isa.inc) for the avx2 variant.
+// The CPU kernels (adam, cast, philox, lowbit and wire _isa.inc) for the avx2 variant.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -13,6 +13,7 @@
 #include "zerokern/cast.h"
 #include "zerokern/half_bits.h"
 #include "zerokern/lowbit.h"
+#include "zerokern/wire.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #pragma GCC target("avx2,fma,f16c,bmi2")
@@ -26,7 +27,9 @@
 #include "dtypes.inc"
 #include "adam_isa.inc"
 #define ZK_LOWBIT_SIMD 256  // lowbit_isa.inc: explicit gathers
+#include "philox_isa.inc"
 #include "lowbit_isa.inc"
+#include "wire_isa.inc"
 #undef ZK_LOWBIT_SIMD
 #include "cast_isa.inc"
 #undef ZK_STREAM_BYTES

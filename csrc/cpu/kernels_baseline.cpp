@@ -1,4 +1,4 @@
-// The CPU kernels (adam_isa.inc, cast_isa.inc) for the baseline variant.
+// The CPU kernels (adam, cast, philox, lowbit and wire _isa.inc) for the baseline variant.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -13,6 +13,7 @@
 #include "zerokern/cast.h"
 #include "zerokern/half_bits.h"
 #include "zerokern/lowbit.h"
+#include "zerokern/wire.h"
 
 // No target pragma: the compiler baseline (SSE2 on x86-64), safe on every machine.
 #define ZK_ISA baseline
@@ -24,7 +25,9 @@
 #include "dtypes.inc"
 #include "adam_isa.inc"
 #define ZK_LOWBIT_SIMD 0  // lowbit_isa.inc: explicit gathers
+#include "philox_isa.inc"
 #include "lowbit_isa.inc"
+#include "wire_isa.inc"
 #undef ZK_LOWBIT_SIMD
 #include "cast_isa.inc"
 #undef ZK_STREAM_BYTES

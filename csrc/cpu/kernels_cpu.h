@@ -8,6 +8,7 @@
 #include "zerokern/adam.h"
 #include "zerokern/dtype.h"
 #include "zerokern/lowbit.h"
+#include "zerokern/wire.h"
 
 namespace zerokern {
 namespace cpu {
@@ -29,6 +30,9 @@ using CastSpanFn = void (*)(const void* src, DType src_dtype, void* dst, DType d
 // Blocks [first, last) of tensor k of a low-bit Adam call (lowbit_isa.inc).
 using LowBitBlocksFn = void (*)(const LowBitTensorList& t, const LowBitCall& call, int64_t k, int64_t first,
                                 int64_t last);
+// Blocks [first, last) of a wire-format chunk (wire_isa.inc).
+using WireEncodeFn = void (*)(const WireEncode& a, int64_t first, int64_t last);
+using WireDecodeFn = void (*)(const WireDecode& a, int64_t first, int64_t last);
 
 #define ZK_DECLARE_ISA(isa)                                                         \
   namespace isa {                                                                   \
@@ -36,6 +40,8 @@ using LowBitBlocksFn = void (*)(const LowBitTensorList& t, const LowBitCall& cal
   void roof_span(const AdamSpan& s, const AdamCoeffs& c);                           \
   void cast_span(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n, bool stream); \
   void lowbit_blocks(const LowBitTensorList& t, const LowBitCall& call, int64_t k, int64_t first, int64_t last); \
+  void wire_encode_blocks(const WireEncode& a, int64_t first, int64_t last);                    \
+  void wire_decode_blocks(const WireDecode& a, int64_t first, int64_t last);                    \
   }
 ZK_DECLARE_ISA(avx512)
 ZK_DECLARE_ISA(avx2)
@@ -48,6 +54,8 @@ struct Variant {
   AdamSpanFn roof;
   CastSpanFn cast;
   LowBitBlocksFn lowbit;
+  WireEncodeFn wire_encode;
+  WireDecodeFn wire_decode;
 };
 
 // The widest variant this CPU runs (or the one ZEROKERN_CPU_CAPABILITY names),

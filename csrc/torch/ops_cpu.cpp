@@ -12,6 +12,8 @@
 #include "zerokern/cast.h"
 #include "lowbit_args.h"
 #include "zerokern/lowbit.h"
+#include "wire_args.h"
+#include "zerokern/wire.h"
 
 namespace zerokern {
 namespace {
@@ -71,6 +73,16 @@ void fused_adam_lowbit_cpu_op(at::TensorList params, at::TensorList grads, at::T
   fused_adam_lowbit_cpu(arrays.list, call, at::get_num_threads());
 }
 
+// The wire format's kernels on CPU tensors (zerokern.kernels.wire_ops validated the arguments).
+void wire_encode_cpu_op(const at::Tensor& x, const at::Tensor& out, const std::optional<at::Tensor>& error,
+                        int64_t bits, int64_t seed, int64_t step, int64_t stream, int64_t base) {
+  wire_encode_cpu(wire_encode_args(x, out, error, bits, seed, step, stream, base), at::get_num_threads());
+}
+
+void wire_decode_cpu_op(const at::Tensor& buf, int64_t n, int64_t bits, const at::Tensor& out, bool accumulate) {
+  wire_decode_cpu(wire_decode_args(buf, n, bits, out, accumulate), at::get_num_threads());
+}
+
 std::string cpu_capability_op() { return cpu_capability(); }
 
 // For bench/: the bandwidth roof of fused_adam_ on these tensors (see stream_roof_cpu).
@@ -93,6 +105,8 @@ TORCH_LIBRARY(zerokern, m) {
   m.def(kUnflattenIntoSchema);
   m.def("cpu_capability() -> str", &cpu_capability_op);
   m.def(kFusedAdamLowBitSchema);
+  m.def(kWireEncodeSchema);
+  m.def(kWireDecodeSchema);
   m.def("stream_roof_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
         "Tensor(d!)[] model_params) -> ()");
 }
@@ -101,6 +115,8 @@ TORCH_LIBRARY_IMPL(zerokern, CPU, m) {
   m.impl("fused_adam_", &fused_adam_cpu_op);
   m.impl("stream_roof_", &stream_roof_op);
   m.impl("fused_adam_lowbit_", &fused_adam_lowbit_cpu_op);
+  m.impl("wire_encode_", &wire_encode_cpu_op);
+  m.impl("wire_decode_", &wire_decode_cpu_op);
   using Flat = FlatOps<launch_cast_cpu>;
   m.impl("flatten", &Flat::flatten);
   m.impl("flatten_into_", &Flat::flatten_into);

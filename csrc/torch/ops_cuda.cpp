@@ -13,6 +13,8 @@
 #include "zerokern/adam.h"
 #include "zerokern/cast.h"
 #include "zerokern/lowbit.h"
+#include "wire_args.h"
+#include "zerokern/wire.h"
 
 namespace zerokern {
 namespace {
@@ -72,11 +74,29 @@ void fused_adam_lowbit_cuda_op(at::TensorList params, at::TensorList grads, at::
               cudaGetErrorString(static_cast<cudaError_t>(err)));
 }
 
+// The wire format's kernels on CUDA tensors, on the current stream (validated in Python).
+void wire_encode_cuda_op(const at::Tensor& x, const at::Tensor& out, const std::optional<at::Tensor>& error,
+                         int64_t bits, int64_t seed, int64_t step, int64_t stream, int64_t base) {
+  const WireEncode a = wire_encode_args(x, out, error, bits, seed, step, stream, base);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int err = wire_encode_cuda(a, at::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == 0, "zerokern wire_encode_ launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(err)));
+}
+
+void wire_decode_cuda_op(const at::Tensor& buf, int64_t n, int64_t bits, const at::Tensor& out, bool accumulate) {
+  const WireDecode a = wire_decode_args(buf, n, bits, out, accumulate);
+  const c10::cuda::CUDAGuard guard(out.device());
+  const int err = wire_decode_cuda(a, at::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == 0, "zerokern wire_decode_ launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(err)));
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(zerokern, CUDA, m) {
   m.impl("fused_adam_", &fused_adam_cuda_op);
   m.impl("fused_adam_lowbit_", &fused_adam_lowbit_cuda_op);
+  m.impl("wire_encode_", &wire_encode_cuda_op);
+  m.impl("wire_decode_", &wire_decode_cuda_op);
   using Flat = FlatOps<launch_cast_cuda>;
   m.impl("flatten", &Flat::flatten);
   m.impl("flatten_into_", &Flat::flatten_into);

@@ -9,9 +9,13 @@ round(x * (1 / scale)) rounded stochastically: floor(x * inv + u) with u = r / 6
 random bits of [Note: reproducible rounding] (lowbit.py) for the element's global index, the
 reduction's step and the stream, so E[code * scale] = x and a rerun gives the same bytes. The
 codes are clamped to [-QMAX, QMAX] (x * inv may round a hair past QMAX). A block of zeros has
-scale 0 and codes 0. A block holding an inf or a NaN gets scale NaN, so every value it decodes
-to is NaN: an overflow on one rank reaches every rank's reduced grads, and the step is skipped
-everywhere, as it is without quantization.
+scale 0 and codes 0. A block holding an inf or a NaN gets scale NaN and codes 0, so every value it
+decodes to is NaN: an overflow on one rank reaches every rank's reduced grads, and the step is
+skipped everywhere, as it is without quantization. A block whose scale is below 2^-128 (absmax
+under ~3.7e-37) has 1 / scale = inf: there x * inv is x / scale instead.
+(Both last rules were added with the kernels: before, x * inf gave every non-zero element of such
+a tiny block +-QMAX (1e-40 beside 3e-38 decoded as 3e-38), and 0 * inf or inf * 0 gave NaN, whose
+cast to int is undefined: the codes of those elements were whatever the device's cast makes.)
 The bytes of a chunk: its fp32 scales (4 per block), then its codes: int8 one byte each
 (two's complement); int4 two to a byte, code + 8 (1..15), the even element in the low nibble.
 One chunk is one contiguous uint8 tensor, so a collective moves codes and scales together.
@@ -59,8 +63,12 @@ def codes_of(x: torch.Tensor, scales: torch.Tensor, bits: int, seed: int, step: 
     """int32 codes of flat fp32 `x` under `scales`, stochastically rounded."""
     n, q = x.numel(), QMAX[bits]
     ok = torch.isfinite(scales) & (scales > 0)
-    inv = torch.where(ok, 1.0 / torch.where(ok, scales, torch.ones_like(scales)), torch.zeros_like(scales))
-    v = x * inv.repeat_interleave(BLOCK)[:n]
+    safe = torch.where(ok, scales, torch.ones_like(scales))
+    inv = 1.0 / safe
+    per = lambda t: t.repeat_interleave(BLOCK)[:n]  # noqa: E731  a block's value for each element
+    # x * (1 / scale), one division per block; x / scale where 1 / scale overflows; 0 where not ok
+    v = torch.where(per(torch.isinf(inv)), x / per(safe), x * per(inv))
+    v = torch.where(per(ok), v, torch.zeros_like(v))
     r = lowbit.random16(seed, step, STREAM_WIRE + stream, lowbit.element_index(base, n, x.device))
     u = r.to(torch.float32) * (1.0 / 65536.0)
     return torch.floor(v + u).clamp_(-q, q).to(torch.int32)

@@ -1,0 +1,68 @@
+// zerokern wire format: the torch-free interface of the quantized-collective kernels (the numbers
+// are defined by zerokern/kernels/wire.py, [Note: the wire format]; tests compare every kernel
+// against it).
+//
+// A chunk of n values is cut into blocks of kBlock elements; per block:
+//   scale   absmax / qmax (qmax 127 for int8, 7 for int4) in fp32; NaN if the block holds an inf
+//           or a NaN (then every code is 0)
+//   code    floor(v + r / 65536) clamped to [-qmax, qmax], v = x * (1 / scale), or x / scale where
+//           1 / scale is inf; r: the 16 random bits of the element's global index (lowbit.h's
+//           random16, stream kStreamWire + the caller's); 0 in a block whose scale is 0 or NaN
+//   bytes   all the chunk's scales (fp32, 4 bytes each, not necessarily 4-aligned), then its codes:
+//           int8 one byte each; int4 code + 8, two to a byte, the even element in the low nibble
+//   error   (optional) x - code * scale, 0 in a block whose scale is NaN
+// Decoding: code * scale, written or added to fp32 out.
+#pragma once
+
+#include <cstdint>
+
+#include "zerokern/dtype.h"
+#include "zerokern/lowbit.h"
+
+namespace zerokern {
+
+constexpr uint32_t kStreamWire = 8;  // wire.py's STREAM_WIRE: counter word 3 is this + the caller's stream
+
+struct WireEncode {
+  const void* x = nullptr;  // n values of `dtype`
+  DType dtype = DType::kFloat32;
+  int64_t n = 0;
+  uint8_t* out = nullptr;  // wire_bytes(n, bits)
+  float* error = nullptr;  // n fp32, or null: not wanted
+  int bits = 8;
+  uint64_t seed = 0;
+  uint32_t step = 0;
+  uint32_t stream = kStreamWire;  // the Philox counter's word 3 (kStreamWire + the caller's stream)
+  int64_t base = 0;               // global index of x[0]
+};
+
+struct WireDecode {
+  const uint8_t* buf = nullptr;  // wire_bytes(n, bits)
+  int64_t n = 0;
+  int bits = 8;
+  float* out = nullptr;  // n fp32
+  bool accumulate = false;  // out += decoded, else out = decoded
+};
+
+ZK_HOST_DEVICE int64_t wire_blocks(int64_t n) { return (n + kBlock - 1) / kBlock; }
+ZK_HOST_DEVICE int64_t wire_code_bytes(int64_t n, int bits) { return bits == 8 ? n : (n + 1) / 2; }
+ZK_HOST_DEVICE int64_t wire_bytes(int64_t n, int bits) { return 4 * wire_blocks(n) + wire_code_bytes(n, bits); }
+ZK_HOST_DEVICE float wire_qmax(int bits) { return bits == 8 ? 127.f : 7.f; }
+
+// floor(t) for |t| < 2^31, by truncation (SSE2 has no vector floor; this loop vectorizes everywhere)
+ZK_HOST_DEVICE int32_t wire_floor(float t) {
+  const int32_t i = static_cast<int32_t>(t);
+  return i - (static_cast<float>(i) > t ? 1 : 0);
+}
+
+// CPU: SIMD variant chosen at run time, OpenMP over blocks (any thread count gives the same bytes).
+void wire_encode_cpu(const WireEncode& a, int num_threads);
+void wire_decode_cpu(const WireDecode& a, int num_threads);
+
+#if defined(ZEROKERN_WITH_CUDA)
+// CUDA: one launch on `stream` (a cudaStream_t); the launch error, or 0.
+int wire_encode_cuda(const WireEncode& a, void* stream);
+int wire_decode_cuda(const WireDecode& a, void* stream);
+#endif
+
+}  // namespace zerokern

@@ -1,0 +1,15 @@
+"""The compiled wire-format kernels, "cpu" (zerokern._C) and "cuda" (zerokern._C_cuda): the ops
+torch.ops.zerokern.wire_encode_ / wire_decode_, whose tensors' device picks the kernel.
+wire_ops validated the arguments."""
+
+import torch
+
+
+def encode_(x, out, bits, seed, step, stream, base, error):
+    # the op's seed is an int64: the same 64 bits
+    torch.ops.zerokern.wire_encode_(x, out, error, bits, seed - (1 << 64) if seed >= 1 << 63 else seed, step,
+                                    stream, base)
+
+
+def decode_(buf, n, bits, out, accumulate):
+    torch.ops.zerokern.wire_decode_(buf, n, bits, out, accumulate)

@@ -28,7 +28,8 @@ rank's part; a marked slice must be this rank's slice.
 import torch
 
 from ..kernels import lowbit
-from ..zero.core.dcp_marks import mark_slice  # noqa: F401 (FusedZeroAdam marks its state with it)
+from ..zero.core.dcp_marks import mark_slice
+from . import wire_checkpoint
 
 FORMAT = 3
 SLICED = ("exp_avg", "exp_avg_sq", "master_param")
@@ -64,7 +65,27 @@ def shard_state_dict(opt):
     # this block, which is harmless: the tensors it loads in place keep theirs)
     sd["zerokern"] = {"format": FORMAT, "kind": "shard", "world_size": opt.comm.world_size,
                       "zero_stage": opt.zero_stage, "rank": opt.comm.rank, "slices": _slices(opt)}
+    _add_error_feedback(opt, sd["state"])
     return sd
+
+
+def _add_error_feedback(opt, state):
+    """Each param's "error_feedback" and "error_feedback_count" where the reductions are
+    quantized ([Note: error feedback in checkpoints] in optim/wire_checkpoint.py: a collective)."""
+    carried = wire_checkpoint.fold(opt)
+    index = {p: k for k, p in enumerate(_params(opt))}
+    for s, pieces, c, n_red in zip(opt.stores, opt.engine.pieces, carried, wire_checkpoint.counts(opt)):
+        if c is None:
+            continue
+        for j, (t, off, n, start) in enumerate(pieces):
+            shape = opt.engine.param_of(s, j)[2]  # stage 3: the param itself is empty
+            k = index[opt.engine.trainable[t]]
+            entry = c[off:off + n].clone()
+            if opt.strategy.shards_state:
+                mark_slice(entry, start, n, shape.numel())
+            # a new dict: torch's state_dict() hands out opt.state's own per-param dicts
+            state[k] = {**state.get(k, {}), wire_checkpoint.KEY: entry,
+                        wire_checkpoint.COUNT: torch.tensor(float(n_red))}
 
 
 def _gather(opt, shard, device):
@@ -208,13 +229,41 @@ def load_state_dict(opt, sd):
             views = [opt.state[s.flat.params[i]]["master_param"] for i in s.bucket.plan.tensors]
             given = [master_src.get(id(v)) for v in views]
             valid[s] = all(g is not None for g in given) and not s.is_round_trip(views, given)
+    carried, counts = _saved_error_feedback(opt, state, shapes, mine_too)
     _load_groups(opt, sd["param_groups"])
+    wire_checkpoint.restore(opt, carried, counts)
     for dst, src in copies:
         dst.zero_() if src is None else dst.copy_(src)
     for dst, value in steps:
         dst.fill_(value)
     for s, ok in valid.items():
         s.master_valid = ok
+
+
+def _saved_error_feedback(opt, state, shapes, mine_too):
+    """Per store: the carried gradient of its shard from the saved "error_feedback" entries
+    (None where none of its params has one, or its reductions are not quantized: the entry is
+    then ignored), and the saved count ([Note: error feedback in checkpoints])."""
+    index = {p: k for k, p in enumerate(_params(opt))}
+    carried, counts = [], []
+    for s, pieces, mine in zip(opt.stores, opt.engine.pieces, wire_checkpoint.counts(opt)):
+        c, n_red = None, None
+        for j, (t, off, n, start) in enumerate(pieces):
+            k = index[opt.engine.trainable[t]]
+            theirs = state.get(k, {})
+            if mine is None or wire_checkpoint.KEY not in theirs:
+                continue
+            p = opt.engine.trainable[t]
+            part = _my_slice(theirs[wire_checkpoint.KEY], shapes[p], start, n, k, wire_checkpoint.KEY,
+                             opt.comm.rank, mine_too)
+            if c is None:  # the params without an entry carry nothing
+                c = torch.zeros(s.exp_avg.numel(), dtype=torch.float32, device=s.exp_avg.device)
+            c[off:off + n] = part.to(c.device, torch.float32)
+            if wire_checkpoint.COUNT in theirs:
+                n_red = max(n_red or 0, int(float(theirs[wire_checkpoint.COUNT])))
+        carried.append(c)
+        counts.append(n_red)
+    return carried, counts
 
 
 def _moment_copies(mine, theirs, key, shape, start, n, k, rank, mine_too):

@@ -36,7 +36,8 @@ def data(steps, seed=32):
     return [torch.randn(ROWS, 16, generator=g) for _ in range(steps)]
 
 
-def build(stage, precision, mesh=None):
+def build(stage, precision, mesh=None, kind="fused"):
+    """kind: "fused" (FusedZeroAdam) or "sgd" (ZeroOptimizer over torch.optim.SGD)."""
     model = Net()
     if stage == 3:
         for b in model.blocks:
@@ -45,6 +46,8 @@ def build(stage, precision, mesh=None):
         kw = dict(mesh=mesh, reduce_precision=precision)
     else:
         kw = dict(zero_stage=stage, bucket_cap_mb=1e-3, mesh=mesh, reduce_precision=precision)
+    if kind == "sgd":
+        return model, zerokern.ZeroOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9, **kw)
     return model, zerokern.FusedZeroAdam(model.parameters(), lr=1e-2, **kw)
 
 
@@ -83,11 +86,11 @@ def carried(opt):
             for k, st in sd["state"].items() if wire_checkpoint.KEY in st}
 
 
-def save_run(rank, world, path, stage, precision, mesh, n, m):
+def save_run(rank, world, path, stage, precision, mesh, n, m, kind="fused"):
     """Train n steps, save, train m more (the uninterrupted run's last m losses)."""
     torch.set_num_threads(1)
     batches = data(n + m)
-    model, opt = build(stage, precision, mesh)
+    model, opt = build(stage, precision, mesh, kind)
     steps(rank, world, model, opt, batches[:n])
     save(model, opt, path)
     folded = carried(opt)
@@ -96,12 +99,12 @@ def save_run(rank, world, path, stage, precision, mesh, n, m):
             "ef_bytes": opt.memory_report()["error_feedback"]}
 
 
-def load_run(rank, world, path, stage, precision, mesh, n, m, forget=False):
+def load_run(rank, world, path, stage, precision, mesh, n, m, forget=False, kind="fused"):
     """A fresh model and optimizer load the checkpoint and train the same m steps (forget: with
     the residuals dropped after loading, to measure what restoring them is worth)."""
     torch.set_num_threads(1)
     batches = data(n + m)
-    model, opt = build(stage, precision, mesh)
+    model, opt = build(stage, precision, mesh, kind)
     load(model, opt, path)
     if forget:
         wire_checkpoint.restore(opt, [None] * len(opt.stores), wire_checkpoint.counts(opt))
@@ -121,7 +124,7 @@ def uninterrupted(rank, world, stage, precision, mesh, n, m):
 def skipped_fold(rank, world):
     """Rank 0 asks for a quantized optimizer's state_dict, rank 1 does not: the error rank 0 gets."""
     torch.set_num_threads(1)
-    os.environ["ZEROKERN_COLLECTIVE_TIMEOUT"] = "5"
+    os.environ["ZEROKERN_COLLECTIVE_TIMEOUT"] = "2"
     model, opt = build(2, "int8")
     steps(rank, world, model, opt, data(1))
     err = None
@@ -131,5 +134,5 @@ def skipped_fold(rank, world):
         except RuntimeError as e:
             err = str(e)
     else:
-        time.sleep(10)  # busy elsewhere (not gone) for longer than the check waits
+        time.sleep(4)  # busy elsewhere (not gone) for longer than the check waits
     return err

@@ -3,9 +3,16 @@ torch.load(weights_only=True) reads them.
 
 Shard (opt.state_dict()): torch.optim.AdamW's format, with this rank's slice of
 each param (flattened) in place of the whole:
-    {"state": {index: {"step", "exp_avg", "exp_avg_sq"[, "master_param"]}},
+    {"state": {index: {"step", "exp_avg", "exp_avg_sq"[, "master_param"]
+                       [, "error_feedback", "error_feedback_count"]}},
      "param_groups": [every key, as torch.optim],
      "zerokern": {"format": 3, "kind": "shard", "world_size", "zero_stage", "rank", "slices"}}
+"error_feedback" (fp32, this rank's slice like exp_avg) and "error_feedback_count" (0-dim) are
+there only with reduce_precision="int8"/"int4" on several ranks: every rank's quantization
+residuals folded into the gradient they still owe, which makes state_dict() a collective there
+([Note: error feedback in checkpoints] in optim/wire_checkpoint.py). A dict without them loads
+into such an optimizer with zero residuals; one with them loads into any other, which ignores
+them.
 Full (opt.full_state_dict(), rank 0): torch.optim.AdamW's format for whole params,
 plus {"zerokern_master": {index: fp32 tensor}} for fp16/bf16 params (AdamW ignores it).
 
@@ -65,11 +72,11 @@ def shard_state_dict(opt):
     # this block, which is harmless: the tensors it loads in place keep theirs)
     sd["zerokern"] = {"format": FORMAT, "kind": "shard", "world_size": opt.comm.world_size,
                       "zero_stage": opt.zero_stage, "rank": opt.comm.rank, "slices": _slices(opt)}
-    _add_error_feedback(opt, sd["state"])
+    add_error_feedback(opt, sd["state"])
     return sd
 
 
-def _add_error_feedback(opt, state):
+def add_error_feedback(opt, state):
     """Each param's "error_feedback" and "error_feedback_count" where the reductions are
     quantized ([Note: error feedback in checkpoints] in optim/wire_checkpoint.py: a collective)."""
     carried = wire_checkpoint.fold(opt)
@@ -229,7 +236,7 @@ def load_state_dict(opt, sd):
             views = [opt.state[s.flat.params[i]]["master_param"] for i in s.bucket.plan.tensors]
             given = [master_src.get(id(v)) for v in views]
             valid[s] = all(g is not None for g in given) and not s.is_round_trip(views, given)
-    carried, counts = _saved_error_feedback(opt, state, shapes, mine_too)
+    carried, counts = saved_error_feedback(opt, state, shapes, mine_too)
     _load_groups(opt, sd["param_groups"])
     wire_checkpoint.restore(opt, carried, counts)
     for dst, src in copies:
@@ -240,7 +247,7 @@ def load_state_dict(opt, sd):
         s.master_valid = ok
 
 
-def _saved_error_feedback(opt, state, shapes, mine_too):
+def saved_error_feedback(opt, state, shapes, mine_too):
     """Per store: the carried gradient of its shard from the saved "error_feedback" entries
     (None where none of its params has one, or its reductions are not quantized: the entry is
     then ignored), and the saved count ([Note: error feedback in checkpoints])."""
@@ -257,7 +264,7 @@ def _saved_error_feedback(opt, state, shapes, mine_too):
             part = _my_slice(theirs[wire_checkpoint.KEY], shapes[p], start, n, k, wire_checkpoint.KEY,
                              opt.comm.rank, mine_too)
             if c is None:  # the params without an entry carry nothing
-                c = torch.zeros(s.exp_avg.numel(), dtype=torch.float32, device=s.exp_avg.device)
+                c = torch.zeros(wire_checkpoint.state_numel(opt, s), dtype=torch.float32, device=s.bucket.device)
             c[off:off + n] = part.to(c.device, torch.float32)
             if wire_checkpoint.COUNT in theirs:
                 n_red = max(n_red or 0, int(float(theirs[wire_checkpoint.COUNT])))

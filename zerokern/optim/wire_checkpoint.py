@@ -52,6 +52,7 @@ from typing import List, Optional
 import torch
 
 from ..zero.comm.wire import RESIDUAL_DTYPE, GradWire
+from ..zero.core.errors import CollectiveMismatch
 
 KEY = "error_feedback"
 COUNT = "error_feedback_count"
@@ -82,17 +83,30 @@ def _own_chunk(n: int, rank: int, world: int):
     return min(n, rank * c), min(n, (rank + 1) * c)
 
 
-@torch.no_grad()
 def fold(opt) -> List[Optional[torch.Tensor]]:
     """Per store: the carried gradient of its shard (fp32, the store's state layout), or None for
     a store without quantized reductions. Collective ([Note: error feedback in checkpoints])."""
+    try:
+        return _fold(opt)
+    except CollectiveMismatch as e:  # the same type (every rank raises alike), saying why this was one
+        raise type(e)(f"{e}\nzerokern: this was opt.state_dict(): with reduce_precision={_precision(opt)!r} on "
+                      "several ranks it folds the ranks' error feedback, a collective: call it on every rank "
+                      "(dcp.save of get_optimizer_state_dict does), as full_state_dict()") from e
+
+
+def _precision(opt):
+    return next((w.precision for w in map(_wire, opt.stores) if w is not None), None)
+
+
+@torch.no_grad()
+def _fold(opt) -> List[Optional[torch.Tensor]]:
     out = []
     for s in opt.stores:
         w = _wire(s)
         if w is None:
             out.append(None)
             continue
-        size = s.exp_avg.numel()
+        size = state_numel(opt, s)
         comm, rank, world = _group(opt.comm)
         if _flat_scatter(opt):
             buf = _residual(w.sent, size * world, s.bucket.device)
@@ -105,8 +119,15 @@ def fold(opt) -> List[Optional[torch.Tensor]]:
                 buf[a:b] += w.summed.committed.float()
             comm.wait(comm.all_reduce(buf, name=_NAME))
             carried = buf
-        out.append(carried.to(s.exp_avg.device))
+        out.append(carried)
     return out
+
+
+def state_numel(opt, store) -> int:
+    """Elements of the store's state (the layout of its carried gradient): the bucket's shard
+    where the state is sharded, else the whole bucket."""
+    plan = store.bucket.plan
+    return plan.shard_numel if opt.strategy.shards_state else plan.padded_numel
 
 
 def _residual(res, numel: int, device) -> torch.Tensor:

@@ -27,7 +27,7 @@ state dict on one process.
 
 import torch
 
-from . import inner_state
+from . import inner_state, wire_checkpoint
 from . import state_dict as checkpoint
 from ..zero.engine import ZeroEngine
 from .engine_optimizer import EngineOptimizer
@@ -161,6 +161,7 @@ class ZeroOptimizer(EngineOptimizer):
             for v in st.values():
                 if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == n:
                     checkpoint.mark_slice(v, start, n, numel)
+        checkpoint.add_error_feedback(self, sd["state"])  # quantized reductions: a collective
         return sd
 
     def _member(self, t):
@@ -191,6 +192,8 @@ class ZeroOptimizer(EngineOptimizer):
             _, _, n, start = self._where[t]
             numel, out = self._numel(t), {}
             for key, v in inner_state.without_placeholders(st, self._late[t]).items():
+                if key in wire_checkpoint.KEYS:  # FusedZeroAdam's error feedback: not the inner optimizer's
+                    continue
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
                     where = checkpoint.slice_of(v)
                     if where is not None and where != (start, n, numel):
@@ -216,7 +219,10 @@ class ZeroOptimizer(EngineOptimizer):
             groups = [{**self.inner.param_groups[0], "params": [0]}]
         for gi, group in enumerate(state_dict["param_groups"]):
             self.param_groups[gi].update({k: v for k, v in group.items() if k not in ("params", "param_names")})
+        shapes = {p: self._shape(t) for t, p in enumerate(self.engine.trainable)}
+        carried, counts = checkpoint.saved_error_feedback(self, saved, shapes, mine_too=False)
         self.inner.load_state_dict({"state": inner_state_dict, "param_groups": groups})
+        wire_checkpoint.restore(self, carried, counts)
         inner_state.make_initial_state(self.inner, list(self._piece.values()))  # the params the dict had none of
         self._sync_state()
 

@@ -28,7 +28,9 @@ inf/nan on some rank) or the grads are zeroed without a step, so a skipped step 
 the residual it consumed included. A second reduction of the same bucket in one round (a
 second synced backward at stage 2/3, a grad that came after the launch) adds the pending
 residual, as it adds to what the first one sent; at stage 1, whose second reduction replaces
-the first, it adds the committed one again.
+the first, it adds the committed one again. Checkpoints keep the committed residuals as the
+gradient they still owe, folded over the ranks ([Note: error feedback in checkpoints] in
+optim/wire_checkpoint.py), not as each rank's own tensors, which fit one world size only.
 """
 
 import zlib
@@ -114,16 +116,6 @@ class GradWire:
 
     def nbytes(self) -> int:
         return self.sent.nbytes() + self.summed.nbytes()
-
-    def state_dict(self) -> dict:
-        return {"count": self.count, "sent": self.sent.committed, "summed": self.summed.committed}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.count = int(state["count"])
-        for res, key in ((self.sent, "sent"), (self.summed, "summed")):
-            t = state.get(key)
-            res.committed = None if t is None else t.to(RESIDUAL_DTYPE).clone()
-            res.pending = None
 
     # --- encoding --------------------------------------------------------------
 

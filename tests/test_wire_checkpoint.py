@@ -92,6 +92,19 @@ def test_another_world_size_or_mesh(tmp_path, save, load, stage):
     _check_losses(saved, loaded, "int8")
 
 
+@pytest.mark.parametrize("stage", [0, 2])
+def test_full_state_dict_carries_it_whole(stage):
+    results = dist_harness.values(dist_harness.run(W.full_round_trip, 2, stage, "int8", N, timeout=200))
+    assert results[0]["shape"] == (16, 16)  # the first param's weight, whole
+    for r in results:
+        assert set(r["counts"]) == {N}
+        for k, (t, where) in r["before"].items():
+            got, got_where = r["after"][k]
+            assert got_where == where and got.shape == t.shape
+            if t.numel():  # this rank's slice of param k may be empty
+                assert (t - got).abs().max().item() <= 2 ** -8 * t.abs().max().item(), k
+
+
 def test_one_process_ignores_it(tmp_path):
     """On one process nothing is reduced, so nothing is quantized: the entry is ignored."""
     saved, loaded = _run(tmp_path, (2, None), (1, None), 2, "int8")

@@ -136,3 +136,19 @@ def skipped_fold(rank, world):
     else:
         time.sleep(4)  # busy elsewhere (not gone) for longer than the check waits
     return err
+
+
+def full_round_trip(rank, world, stage, precision, n):
+    """Train n steps; a fresh optimizer loads opt.full_state_dict() (handed to every rank): this
+    rank's folded error feedback before and after, and the whole entry's shape (rank 0)."""
+    torch.set_num_threads(1)
+    model, opt = build(stage, precision)
+    steps(rank, world, model, opt, data(n))
+    before = carried(opt)
+    full = [opt.full_state_dict()]
+    shape = None if full[0] is None else tuple(full[0]["state"][0][wire_checkpoint.KEY].shape)
+    dist.broadcast_object_list(full, src=0)
+    model2, opt2 = build(stage, precision)
+    model2.load_state_dict(model.state_dict())
+    opt2.load_state_dict(full[0])
+    return {"before": before, "after": carried(opt2), "counts": wire_checkpoint.counts(opt2), "shape": shape}

@@ -14,7 +14,8 @@ residuals folded into the gradient they still owe, which makes state_dict() a co
 into such an optimizer with zero residuals; one with them loads into any other, which ignores
 them.
 Full (opt.full_state_dict(), rank 0): torch.optim.AdamW's format for whole params,
-plus {"zerokern_master": {index: fp32 tensor}} for fp16/bf16 params (AdamW ignores it).
+plus {"zerokern_master": {index: fp32 tensor}} for fp16/bf16 params (AdamW ignores it), and
+the error-feedback entries above, whole, where the shard has them.
 
 [Note: sharded state in checkpoints] Where the state is sharded (stages 1/2 on
 several ranks) each slice carries where it lies in the flattened param, as the
@@ -115,8 +116,10 @@ def full_state_dict(opt):
     """Collective: every rank calls it; rank 0 gets the dict, the others None."""
     index = {p: k for k, p in enumerate(_params(opt))}
     state, masters = {}, {}
-    for s in opt.stores:
+    carried, counts = wire_checkpoint.fold(opt), wire_checkpoint.counts(opt)  # quantized reductions only
+    for s, c, n_red in zip(opt.stores, carried, counts):
         dev = s.bucket.device
+        c = None if c is None else _gather(opt, c, dev)
         scales = s.scales() if hasattr(s, "scales") else None
         moments = {key: (_gather(opt, s.state[key], dev), _gather(opt, scales[key], dev) if scales else None)
                    for key in MOMENTS}
@@ -132,6 +135,9 @@ def full_state_dict(opt):
                 state[k] = {"step": torch.tensor(float(step))}
                 for key, (full, full_scales) in moments.items():
                     state[k][key] = _decoded(full[sl], full_scales, slot.offset, SECOND[key]).view(shape)
+                if c is not None:  # whole, as the moments ([Note: error feedback in checkpoints])
+                    state[k][wire_checkpoint.KEY] = c[sl].view(shape).clone()
+                    state[k][wire_checkpoint.COUNT] = torch.tensor(float(n_red))
             if w is not None and s.low_precision:
                 masters[k] = w[sl].view(shape).clone()
     if not opt.comm.leads:

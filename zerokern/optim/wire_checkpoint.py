@@ -16,16 +16,20 @@ residual are both the whole bucket).
 
 Where the fold happens. It must be a collective (rank i alone does not know what the others'
 rounding lost), and a collective a rank could skip hangs. Folding at every step would cost a
-full-precision reduction per step, which is what quantizing saves, so the fold is in
-state_dict(), which then is collective for a quantized optimizer on several ranks, as
-full_state_dict() is. Every caller we know calls it on every rank: dcp.save of
+full-precision reduction per step, which is what quantizing saves; saving each rank's own
+residuals instead (no collective) would restore bit for bit, but only into the same ranks: DCP
+re-shards a tensor of one global shape, and per-rank residuals have world_size x their size. So
+the fold is in state_dict() (and full_state_dict(), a collective already), which is then
+collective for a quantized optimizer on several ranks. Every caller we know calls it on every rank: dcp.save of
 get_optimizer_state_dict (and the template of a dcp.load), zerokern.integrations.dcp,
 zerokern's Accelerate and HF Trainer integrations (Accelerate's AcceleratedOptimizer round trip
 at prepare() too). The fold is an announced collective ([Note: announced collectives] in
 zero/comm/check.py): with the collective check on (the default), a rank that calls state_dict()
 while another does not gets an error naming "error_feedback fold" after
-ZEROKERN_COLLECTIVE_TIMEOUT, not a hang. Which buckets fold is fixed at construction (the
-quantized ones), so the ranks never disagree on how many collectives it is.
+ZEROKERN_COLLECTIVE_TIMEOUT, not a hang (with the check off, ZEROKERN_CHECK_COLLECTIVES=0, it
+waits as any collective does). Which buckets fold is fixed at construction (the quantized ones),
+so the ranks never disagree on how many collectives it is. A dcp.load's template comes from
+state_dict() too: a fold whose values the load overwrites, one reduction per bucket.
 
 At load, the carried sum goes back into the residuals so that the next reduction adds it once:
 - flat reduce-scatter (stages 1-3): this rank's own chunk of a bucket is never quantized, so its
@@ -55,7 +59,8 @@ after the load | an uninterrupted run at the loading layout, for scale):
 A resumed run stays closer to the one that did not stop than a run at the other layout does
 (that one's rounding differs from the first step). Restoring the residuals helps at int4 and is
 within noise at int8: error feedback already bounds what dropping them costs to one reduction's
-rounding, and an int8 residual is below 1/127 of a block's largest grad.
+rounding, and an int8 residual is below one quantization step (1/127 of its block's largest
+value).
 
 Rules for the entry: saved only by an optimizer with reduce_precision int8/int4 on several
 ranks; an optimizer without quantized reductions ignores it on load; a quantized one loading a

@@ -217,10 +217,10 @@ class ZeroOptimizer(EngineOptimizer):
                    "params": [self._inner_index[t] for t in ts]} for gi, ts in zip(self._inner_groups, self._inner_ts)]
         if not groups:
             groups = [{**self.inner.param_groups[0], "params": [0]}]
+        shapes = {p: self._shape(t) for t, p in enumerate(self.engine.trainable)}
+        carried, counts = checkpoint.saved_error_feedback(self, saved, shapes, mine_too=False)  # checks first
         for gi, group in enumerate(state_dict["param_groups"]):
             self.param_groups[gi].update({k: v for k, v in group.items() if k not in ("params", "param_names")})
-        shapes = {p: self._shape(t) for t, p in enumerate(self.engine.trainable)}
-        carried, counts = checkpoint.saved_error_feedback(self, saved, shapes, mine_too=False)
         self.inner.load_state_dict({"state": inner_state_dict, "param_groups": groups})
         wire_checkpoint.restore(self, carried, counts)
         inner_state.make_initial_state(self.inner, list(self._piece.values()))  # the params the dict had none of

@@ -145,7 +145,8 @@ class ZeroOptimizer(EngineOptimizer):
         """This rank's pieces' state, keyed by param index as torch.optim's, an entry for every
         trainable param (made before the first step: [Note: inner state before the first step]);
         piece-sized tensors are marked as slices of the flattened param where the state is
-        sharded (DCP re-shards them)."""
+        sharded (DCP re-shards them). With reduce_precision="int8"/"int4" on several ranks it
+        adds "error_feedback", a collective ([Note: error feedback in checkpoints])."""
         self.engine.finish_param_gather()
         sd = torch.optim.Optimizer.state_dict(self)
         index = {p: k for k, p in enumerate(p for g in self.param_groups for p in g["params"])}

@@ -56,6 +56,7 @@ from ..zero.unit import owner_of
 from ..zero.api import full_state_dict
 from ..optim.engine_optimizer import zero_optimizer_in
 from ..optim.state_dict import FORMAT
+from .dcp import drop_missing_error_feedback
 
 
 OPTIMIZER_DIR = "optimizer_zerokern"
@@ -160,6 +161,7 @@ def attach(accelerator):
             out = load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
         for i, opt in enumerate(zero_opts):
             sd = {"optim": opt.state_dict()}
+            drop_missing_error_feedback(sd, os.path.join(input_dir, f"{OPTIMIZER_DIR}_{i}"))  # saved without
             dcp.load(sd, checkpoint_id=os.path.join(input_dir, f"{OPTIMIZER_DIR}_{i}"))
             opt.load_state_dict(sd["optim"])
         return out

@@ -261,7 +261,9 @@ class FusedZeroAdam(EngineOptimizer):
     def state_dict(self):
         """This rank's shard in torch.optim.AdamW's format: per param, views of this rank's
         slice (flattened) of "exp_avg", "exp_avg_sq" (and "master_param" for fp16/bf16
-        params), "step"; every param-group key; and under "zerokern" where the slices lie."""
+        params), "step"; every param-group key; and under "zerokern" where the slices lie.
+        With reduce_precision="int8"/"int4" on several ranks also "error_feedback", which
+        makes it a collective: call it on every rank ([Note: error feedback in checkpoints])."""
         self.engine.finish_param_gather()
         return checkpoint.shard_state_dict(self)
 

@@ -3,11 +3,19 @@ torch.load(weights_only=True) reads them.
 
 Shard (opt.state_dict()): torch.optim.AdamW's format, with this rank's slice of
 each param (flattened) in place of the whole:
-    {"state": {index: {"step", "exp_avg", "exp_avg_sq"[, "master_param"]}},
+    {"state": {index: {"step", "exp_avg", "exp_avg_sq"[, "master_param"]
+                       [, "error_feedback", "error_feedback_count"]}},
      "param_groups": [every key, as torch.optim],
      "zerokern": {"format": 3, "kind": "shard", "world_size", "zero_stage", "rank", "slices"}}
+"error_feedback" (fp32, this rank's slice like exp_avg) and "error_feedback_count" (0-dim) are
+there only with reduce_precision="int8"/"int4" on several ranks: every rank's quantization
+residuals folded into the gradient they still owe, which makes state_dict() a collective there
+([Note: error feedback in checkpoints] in optim/wire_checkpoint.py). A dict without them loads
+into such an optimizer with zero residuals; one with them loads into any other, which ignores
+them.
 Full (opt.full_state_dict(), rank 0): torch.optim.AdamW's format for whole params,
-plus {"zerokern_master": {index: fp32 tensor}} for fp16/bf16 params (AdamW ignores it).
+plus {"zerokern_master": {index: fp32 tensor}} for fp16/bf16 params (AdamW ignores it), and
+the error-feedback entries above, whole, where the shard has them.
 
 [Note: sharded state in checkpoints] Where the state is sharded (stages 1/2 on
 several ranks) each slice carries where it lies in the flattened param, as the
@@ -28,7 +36,8 @@ rank's part; a marked slice must be this rank's slice.
 import torch
 
 from ..kernels import lowbit
-from ..zero.core.dcp_marks import mark_slice  # noqa: F401 (FusedZeroAdam marks its state with it)
+from ..zero.core.dcp_marks import mark_slice
+from . import wire_checkpoint
 
 FORMAT = 3
 SLICED = ("exp_avg", "exp_avg_sq", "master_param")
@@ -64,7 +73,27 @@ def shard_state_dict(opt):
     # this block, which is harmless: the tensors it loads in place keep theirs)
     sd["zerokern"] = {"format": FORMAT, "kind": "shard", "world_size": opt.comm.world_size,
                       "zero_stage": opt.zero_stage, "rank": opt.comm.rank, "slices": _slices(opt)}
+    add_error_feedback(opt, sd["state"])
     return sd
+
+
+def add_error_feedback(opt, state):
+    """Each param's "error_feedback" and "error_feedback_count" where the reductions are
+    quantized ([Note: error feedback in checkpoints] in optim/wire_checkpoint.py: a collective)."""
+    carried = wire_checkpoint.fold(opt)
+    index = {p: k for k, p in enumerate(_params(opt))}
+    for s, pieces, c, n_red in zip(opt.stores, opt.engine.pieces, carried, wire_checkpoint.counts(opt)):
+        if c is None:
+            continue
+        for j, (t, off, n, start) in enumerate(pieces):
+            shape = opt.engine.param_of(s, j)[2]  # stage 3: the param itself is empty
+            k = index[opt.engine.trainable[t]]
+            entry = c[off:off + n].clone()
+            if opt.strategy.shards_state:
+                mark_slice(entry, start, n, shape.numel())
+            # a new dict: torch's state_dict() hands out opt.state's own per-param dicts
+            state[k] = {**state.get(k, {}), wire_checkpoint.KEY: entry,
+                        wire_checkpoint.COUNT: torch.tensor(float(n_red))}
 
 
 def _gather(opt, shard, device):
@@ -87,8 +116,10 @@ def full_state_dict(opt):
     """Collective: every rank calls it; rank 0 gets the dict, the others None."""
     index = {p: k for k, p in enumerate(_params(opt))}
     state, masters = {}, {}
-    for s in opt.stores:
+    carried, counts = wire_checkpoint.fold(opt), wire_checkpoint.counts(opt)  # quantized reductions only
+    for s, c, n_red in zip(opt.stores, carried, counts):
         dev = s.bucket.device
+        c = None if c is None else _gather(opt, c, dev)
         scales = s.scales() if hasattr(s, "scales") else None
         moments = {key: (_gather(opt, s.state[key], dev), _gather(opt, scales[key], dev) if scales else None)
                    for key in MOMENTS}
@@ -104,6 +135,9 @@ def full_state_dict(opt):
                 state[k] = {"step": torch.tensor(float(step))}
                 for key, (full, full_scales) in moments.items():
                     state[k][key] = _decoded(full[sl], full_scales, slot.offset, SECOND[key]).view(shape)
+                if c is not None:  # whole, as the moments ([Note: error feedback in checkpoints])
+                    state[k][wire_checkpoint.KEY] = c[sl].view(shape).clone()
+                    state[k][wire_checkpoint.COUNT] = torch.tensor(float(n_red))
             if w is not None and (s.low_precision or s.holds_gathered):  # not the params' values: kept
                 masters[k] = w[sl].view(shape).clone()
     if not opt.comm.leads:
@@ -208,13 +242,41 @@ def load_state_dict(opt, sd):
             views = [opt.state[s.flat.params[i]]["master_param"] for i in s.bucket.plan.tensors]
             given = [master_src.get(id(v)) for v in views]
             valid[s] = all(g is not None for g in given) and not s.is_round_trip(views, given)
+    carried, counts = saved_error_feedback(opt, state, shapes, mine_too)
     _load_groups(opt, sd["param_groups"])
+    wire_checkpoint.restore(opt, carried, counts)
     for dst, src in copies:
         dst.zero_() if src is None else dst.copy_(src)
     for dst, value in steps:
         dst.fill_(value)
     for s, ok in valid.items():
         s.master_valid = ok
+
+
+def saved_error_feedback(opt, state, shapes, mine_too):
+    """Per store: the carried gradient of its shard from the saved "error_feedback" entries
+    (None where none of its params has one, or its reductions are not quantized: the entry is
+    then ignored), and the saved count ([Note: error feedback in checkpoints])."""
+    index = {p: k for k, p in enumerate(_params(opt))}
+    carried, counts = [], []
+    for s, pieces, mine in zip(opt.stores, opt.engine.pieces, wire_checkpoint.counts(opt)):
+        c, n_red = None, None
+        for j, (t, off, n, start) in enumerate(pieces):
+            k = index[opt.engine.trainable[t]]
+            theirs = state.get(k, {})
+            if mine is None or wire_checkpoint.KEY not in theirs:
+                continue
+            p = opt.engine.trainable[t]
+            part = _my_slice(theirs[wire_checkpoint.KEY], shapes[p], start, n, k, wire_checkpoint.KEY,
+                             opt.comm.rank, mine_too)
+            if c is None:  # the params without an entry carry nothing
+                c = torch.zeros(wire_checkpoint.state_numel(opt, s), dtype=torch.float32, device=s.bucket.device)
+            c[off:off + n] = part.to(c.device, torch.float32)
+            if wire_checkpoint.COUNT in theirs:
+                n_red = max(n_red or 0, int(float(theirs[wire_checkpoint.COUNT])))
+        carried.append(c)
+        counts.append(n_red)
+    return carried, counts
 
 
 def _moment_copies(mine, theirs, key, shape, start, n, k, rank, mine_too):

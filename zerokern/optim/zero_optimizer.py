@@ -27,7 +27,7 @@ state dict on one process.
 
 import torch
 
-from . import inner_state
+from . import inner_state, wire_checkpoint
 from . import state_dict as checkpoint
 from ..zero.engine import ZeroEngine
 from .engine_optimizer import EngineOptimizer
@@ -145,7 +145,8 @@ class ZeroOptimizer(EngineOptimizer):
         """This rank's pieces' state, keyed by param index as torch.optim's, an entry for every
         trainable param (made before the first step: [Note: inner state before the first step]);
         piece-sized tensors are marked as slices of the flattened param where the state is
-        sharded (DCP re-shards them)."""
+        sharded (DCP re-shards them). With reduce_precision="int8"/"int4" on several ranks it
+        adds "error_feedback", a collective ([Note: error feedback in checkpoints])."""
         self.engine.finish_param_gather()
         sd = torch.optim.Optimizer.state_dict(self)
         index = {p: k for k, p in enumerate(p for g in self.param_groups for p in g["params"])}
@@ -161,6 +162,7 @@ class ZeroOptimizer(EngineOptimizer):
             for v in st.values():
                 if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == n:
                     checkpoint.mark_slice(v, start, n, numel)
+        checkpoint.add_error_feedback(self, sd["state"])  # quantized reductions: a collective
         return sd
 
     def _member(self, t):
@@ -191,6 +193,8 @@ class ZeroOptimizer(EngineOptimizer):
             _, _, n, start = self._where[t]
             numel, out = self._numel(t), {}
             for key, v in inner_state.without_placeholders(st, self._late[t]).items():
+                if key in wire_checkpoint.KEYS:  # FusedZeroAdam's error feedback: not the inner optimizer's
+                    continue
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
                     where = checkpoint.slice_of(v)
                     if where is not None and where != (start, n, numel):
@@ -214,9 +218,12 @@ class ZeroOptimizer(EngineOptimizer):
                    "params": [self._inner_index[t] for t in ts]} for gi, ts in zip(self._inner_groups, self._inner_ts)]
         if not groups:
             groups = [{**self.inner.param_groups[0], "params": [0]}]
+        shapes = {p: self._shape(t) for t, p in enumerate(self.engine.trainable)}
+        carried, counts = checkpoint.saved_error_feedback(self, saved, shapes, mine_too=False)  # checks first
         for gi, group in enumerate(state_dict["param_groups"]):
             self.param_groups[gi].update({k: v for k, v in group.items() if k not in ("params", "param_names")})
         self.inner.load_state_dict({"state": inner_state_dict, "param_groups": groups})
+        wire_checkpoint.restore(self, carried, counts)
         inner_state.make_initial_state(self.inner, list(self._piece.values()))  # the params the dict had none of
         self._sync_state()
 

@@ -31,7 +31,10 @@ residual, as it adds to what the first one sent; at stage 1, whose second reduct
 the first, it adds the committed one again. Residuals are in the units of the grads as reduced:
 under a GradScaler whose scale changes between two steps, the one carried over is off by that
 factor for one step (it is below one quantization step of those grads, so the effect is that of
-one step's rounding; a fixed scale, or bf16 without a scaler, carries it exactly).
+one step's rounding; a fixed scale, or bf16 without a scaler, carries it exactly). Checkpoints
+keep the committed residuals as the gradient they still owe, folded over the ranks ([Note: error
+feedback in checkpoints] in optim/wire_checkpoint.py), not as each rank's own tensors, which fit
+one world size only.
 """
 
 import os
@@ -115,16 +118,6 @@ class GradWire:
 
     def nbytes(self) -> int:
         return self.sent.nbytes() + self.summed.nbytes()
-
-    def state_dict(self) -> dict:
-        return {"count": self.committed_count, "sent": self.sent.committed, "summed": self.summed.committed}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.count = self.committed_count = int(state["count"])
-        for res, key in ((self.sent, "sent"), (self.summed, "summed")):
-            t = state.get(key)
-            res.committed = None if t is None else t.to(RESIDUAL_DTYPE).clone()
-            res.pending = None
 
     # --- encoding --------------------------------------------------------------
 

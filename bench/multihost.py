@@ -46,11 +46,11 @@ VARIANTS = {"zerokern ZeRO-2": ["--zero-stage", "2"], "zerokern ZeRO-3": ["--zer
             "DeepSpeed ZeRO-2": ["--zero-stage", "2"],
             "DeepSpeed ZeRO-3 hpZ=2": ["--zero-stage", "3", "--hpz", "2"]}
 DEEPSPEED = {"DeepSpeed ZeRO-2", "DeepSpeed ZeRO-3 hpZ=2"}
-# which of the planner's counts a row is: (stage, hybrid)
+# which of the planner's counts a row is: (stage, hybrid[, reduce_precision[, gather_precision]])
 PLANNED = {"zerokern ZeRO-2": (2, False), "zerokern ZeRO-3": (3, False), "zerokern hybrid ZeRO-2": (2, True),
-           "zerokern hybrid ZeRO-3": (3, True), "zerokern hybrid ZeRO-3 int8": (3, True),
-           "zerokern hybrid ZeRO-3 int4": (3, True), "zerokern ZeRO-2 int4": (2, False),
-           "zerokern ZeRO-3 int4 gather int8": (3, False), "torch FSDP2 HSDP": (3, True), "torch DDP + AdamW": (0, False),
+           "zerokern hybrid ZeRO-3": (3, True), "zerokern hybrid ZeRO-3 int8": (3, True, "int8"),
+           "zerokern hybrid ZeRO-3 int4": (3, True, "int4"), "zerokern ZeRO-2 int4": (2, False, "int4"),
+           "zerokern ZeRO-3 int4 gather int8": (3, False, "int4", "int8"), "torch FSDP2 HSDP": (3, True), "torch DDP + AdamW": (0, False),
            # hpZ gathers the params for backward within a host, for forward over all ranks, and
            # reduce-scatters the grads over all ranks: two flat collectives, as ZeRO-2
            "DeepSpeed ZeRO-2": (2, False), "DeepSpeed ZeRO-3 hpZ=2": (2, False)}
@@ -103,7 +103,10 @@ def main(argv=None):
     d, v, layers = args.d_model, args.vocab, args.layers
     params = v * d + 64 * d + layers * (12 * d * d + 13 * d) + 2 * d
     from zerokern.plan import plan
-    planned = plan(params=params, dp=4, hosts=2, dtype="fp32").stages
+    def planned(stage, hybrid, reduce_precision=None, gather_precision=None):
+        row = plan(params=params, dp=4, hosts=2, dtype="fp32", reduce_precision=reduce_precision,
+                   gather_precision=gather_precision).stages[stage]
+        return row.hybrid_inter_host_bytes if hybrid else row.inter_host_bytes
     names = [n for n in VARIANTS if not args.only or n in args.only.split(",")]
     trees = [t.split("=", 1) for t in args.tree]
     if any(len(t) != 2 or not os.path.isdir(os.path.join(t[1], "zerokern")) for t in trees):
@@ -132,8 +135,7 @@ def main(argv=None):
     for (name, s), (_, variant, _) in zip(samples.items(), rows):
         q = statistics.quantiles(s["step_s"], n=4) if len(s["step_s"]) > 1 else [s["step_s"][0]] * 3
         b = statistics.median(s["bytes_per_step"])
-        stage, hybrid = PLANNED[variant]
-        plan_b = planned[stage].hybrid_inter_host_bytes if hybrid else planned[stage].inter_host_bytes
+        plan_b = planned(*PLANNED[variant])
         counted = statistics.median(s["counted"]) if s["counted"] else None
         results.append({"impl": name, "median_step_s": statistics.median(s["step_s"]), "p25_s": q[0], "p75_s": q[2],
                         "bytes_per_step": b, "bytes_per_step_runs": s["bytes_per_step"],

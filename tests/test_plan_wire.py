@@ -10,9 +10,10 @@ from zerokern.plan import plan
 from zerokern.plan import traffic
 from zerokern.plan.cli import main
 
-# P = 4096 bf16 params (8,192 bytes) on dp = 4 ranks, 2 hosts of 2 (s = 2). A quarter shard is 1,024
-# elements: int8 q = 4 * 4 scales + 1,024 = 1,040 bytes, int4 16 + 512 = 528; a half shard (hybrid,
-# 2,048): int8 32 + 2,048 = 2,080, int4 32 + 1,024 = 1,056; the whole 4,096: int8 64 + 4,096 = 4,160.
+# P = 4096 bf16 params (8,192 bytes) on dp = 4 ranks, 2 hosts of 2 (s = 2). Blocks of 64: a quarter
+# shard is 1,024 elements: int8 q = 4 * 16 scales + 1,024 = 1,088 bytes, int4 64 + 512 = 576; a half
+# shard (hybrid, 2,048): int8 128 + 2,048 = 2,176, int4 128 + 1,024 = 1,152; the whole 4,096: int8
+# 256 + 4,096 = 4,352.
 # Rows: (stage, reduce, gather) -> (flat per rank, flat across, flat within, hybrid across, hybrid within)
 BY_HAND = {
     # no quantization: ring reduce-scatter/all-gather 3/4 x 8,192 = 6,144 per rank, 2 of 4 ring edges
@@ -21,17 +22,17 @@ BY_HAND = {
     (0, None, None): (12_288, 24_576, 24_576, 32_768, 32_768),
     (2, None, None): (12_288, 24_576, 24_576, 16_384, 32_768),
     (3, None, None): (18_432, 36_864, 36_864, 16_384, 49_152),
-    # int8, flat stage 0 (> 2 ranks): an all-to-all of 1,040-byte chunks (3 sent per rank, 2 of them
-    # to the other host: across 4 x 2 x 1,040 = 8,320, within 4,160), then a ring all-gather of the
-    # summed chunks (3 x 1,040 per rank; across 2 x 3,120, within 2 x 3,120). Hybrid: 4 x 4,160.
-    (0, "int8", None): (6_240, 14_560, 10_400, 16_640, 32_768),
+    # int8, flat stage 0 (> 2 ranks): an all-to-all of 1,088-byte chunks (3 sent per rank, 2 of them
+    # to the other host: across 4 x 2 x 1,088 = 8,704, within 4,352), then a ring all-gather of the
+    # summed chunks (3 x 1,088 per rank; across 2 x 3,264, within 2 x 3,264). Hybrid: 4 x 4,352.
+    (0, "int8", None): (6_528, 15_232, 10_880, 17_408, 32_768),
     # from stage 1 the reduce-scatter is that all-to-all alone; the bf16 gather after step as above.
-    # Hybrid: 4 ranks x 2,080 (the 2-host all-reduce is one all-gather of the whole quantized shard)
-    (1, "int8", None): (3_120 + 6_144, 8_320 + 12_288, 4_160 + 12_288, 8_320, 32_768),
-    (3, "int8", None): (3_120 + 12_288, 8_320 + 24_576, 4_160 + 24_576, 8_320, 49_152),
-    (2, "int4", None): (3 * 528 + 6_144, 4 * 2 * 528 + 12_288, 4 * 528 + 12_288, 4 * 1_056, 32_768),
-    # gather_precision int8: stage 3's two all-gathers of 1,040-byte chunks (3 per rank each); flat only
-    (3, None, "int8"): (6_144 + 6_240, 12_288 + 12_480, 12_288 + 12_480, 16_384, 49_152),
+    # Hybrid: 4 ranks x 2,176 (the 2-host all-reduce is one all-gather of the whole quantized shard)
+    (1, "int8", None): (3_264 + 6_144, 8_704 + 12_288, 4_352 + 12_288, 8_704, 32_768),
+    (3, "int8", None): (3_264 + 12_288, 8_704 + 24_576, 4_352 + 24_576, 8_704, 49_152),
+    (2, "int4", None): (3 * 576 + 6_144, 4 * 2 * 576 + 12_288, 4 * 576 + 12_288, 4 * 1_152, 32_768),
+    # gather_precision int8: stage 3's two all-gathers of 1,088-byte chunks (3 per rank each); flat only
+    (3, None, "int8"): (6_144 + 6_528, 12_288 + 13_056, 12_288 + 13_056, 16_384, 49_152),
     # casts: fp32 doubles the grads' bytes, bf16 of bf16 grads changes nothing
     (2, "fp32", None): (12_288 + 6_144, 2 * 12_288 + 12_288, 2 * 12_288 + 12_288, 32_768, 32_768),
     (2, "bf16", None): (12_288, 24_576, 24_576, 16_384, 32_768),
@@ -69,11 +70,12 @@ def test_error_feedback_in_the_totals_by_hand():
 
 def test_three_hosts_by_hand():
     # 3,600 fp32 params, mesh (3, 2), stage 0: each rank all-reduces its whole bucket over 3 hosts,
-    # the all-to-all and all-gather of 1,200-element chunks: 2 x 2 x (4 x 5 + 1,200) = 4,880 bytes per
+    # the all-to-all and all-gather of 1,200-element chunks: 2 x 2 x (4 x 19 + 1,200) = 5,104 bytes per
     # rank, 6 ranks; its residuals: the bucket and its 1,200 chunk of the sum, 4 bytes each at the
-    # peak. (A gloo run of that mesh counted 4,880 per rank and 19,200 bytes of residuals.)
+    # peak. (A gloo run of that mesh, in blocks of 256, counted 4,880 per rank, as the planner then
+    # did, and 19,200 bytes of residuals.)
     s = plan(params=3600, dp=6, hosts=3, dtype="fp32", reduce_precision="int8").stages[0]
-    assert s.hybrid_inter_host_bytes == 6 * 4_880
+    assert s.hybrid_inter_host_bytes == 6 * 5_104
     assert s.hybrid_error_feedback_bytes == 4 * (3_600 + 1_200)
 
 

@@ -1,4 +1,4 @@
-// CUDA wire-format kernels (wire.h has the numbers): one thread block of kBlock / 2 threads per
+// CUDA wire-format kernels (wire.h has the numbers): one thread block of kWireBlock / 2 threads per
 // block of the chunk, each thread an (even, odd) pair of elements, which int4 packs into one byte.
 // The block's absmax is a max over |x|'s bit patterns (warp shuffles, then shared memory), so a
 // NaN is found as fmaxf would not; the random bits are lowbit.h's Philox4x32-10, one call per
@@ -19,7 +19,7 @@ namespace zerokern {
 namespace cuda {
 namespace {
 
-constexpr int kPairs = kBlock / 2;  // threads per block
+constexpr int kPairs = kWireBlock / 2;  // threads per block
 static_assert(kPairs % 32 == 0, "whole warps");
 
 __device__ __forceinline__ uint32_t block_max(uint32_t a, uint32_t* shared) {
@@ -56,7 +56,7 @@ __device__ __forceinline__ int32_t round_code(float x, float scale, float inv, b
 template <typename T>
 __global__ void __launch_bounds__(kPairs) wire_encode_kernel(const T* __restrict__ x, WireEncode a) {
   __shared__ uint32_t shared[kPairs / 32];
-  const int64_t blk = blockIdx.x, i = blk * kBlock + 2 * threadIdx.x;
+  const int64_t blk = blockIdx.x, i = blk * kWireBlock + 2 * threadIdx.x;
   const bool has0 = i < a.n, has1 = i + 1 < a.n;
   const float x0 = has0 ? to_float(x[i]) : 0.f, x1 = has1 ? to_float(x[i + 1]) : 0.f;
   const uint32_t top = block_max(max(__float_as_uint(x0) & 0x7FFFFFFFu, __float_as_uint(x1) & 0x7FFFFFFFu), shared);
@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(kPairs) wire_encode_kernel(const T* __restrict
 }
 
 __global__ void __launch_bounds__(kPairs) wire_decode_kernel(WireDecode a) {
-  const int64_t blk = blockIdx.x, i = blk * kBlock + 2 * threadIdx.x;
+  const int64_t blk = blockIdx.x, i = blk * kWireBlock + 2 * threadIdx.x;
   if (i >= a.n) return;
   const bool has1 = i + 1 < a.n;
   const uint8_t* s = a.buf + 4 * blk;

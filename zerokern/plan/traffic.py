@@ -6,9 +6,9 @@ training dtype, dp data-parallel ranks on h hosts, s = dp / h ranks per host, co
 on one host. An element of a reduction travels in e bytes,
     None: e = b;  "fp32": e = 4;  "bf16": e = 2  (a cast)
 and a chunk of n elements quantized ([Note: the wire format] in zerokern/kernels/wire.py: blocks
-of 256, an fp32 scale each) takes
-    q(n) = 4 ceil(n / 256) + n          (int8)
-    q(n) = 4 ceil(n / 256) + ceil(n / 2) (int4)
+of 64, an fp32 scale each) takes
+    q(n) = 4 ceil(n / 64) + n          (int8)
+    q(n) = 4 ceil(n / 64) + ceil(n / 2) (int4)
 rounded up to a multiple of 4 bytes (each chunk's scales start aligned in the collective's buffer).
 gather_precision="int8" sends each rank's shard of params as q(n) (int8) in the param
 all-gathers; None sends b n. The collectives ([Note: quantized reductions] in zerokern/zero/comm/
@@ -50,7 +50,7 @@ from dataclasses import dataclass
 # so that the planner imports no torch; tests/test_plan_wire.py checks that they match
 REDUCE_PRECISIONS = (None, "fp32", "bf16", "int8", "int4")
 GATHER_PRECISIONS = (None, "int8")
-BLOCK = 256  # elements per fp32 scale
+BLOCK = 64  # elements per fp32 scale (kernels/wire.py's BLOCK; a test checks they agree)
 CAST_BYTES = {"fp32": 4, "bf16": 2}
 RESIDUAL_BYTES = 2  # bf16, committed and pending: [Note: error feedback memory]
 

@@ -2,7 +2,7 @@
 // are defined by zerokern/kernels/wire.py, [Note: the wire format]; tests compare every kernel
 // against it).
 //
-// A chunk of n values is cut into blocks of kBlock elements; per block:
+// A chunk of n values is cut into blocks of kWireBlock elements; per block:
 //   scale   absmax / qmax (qmax 127 for int8, 7 for int4) in fp32; NaN if the block holds an inf
 //           or a NaN (then every code is 0)
 //   code    floor(v + r / 65536) clamped to [-qmax, qmax], v = x * (1 / scale), or x / scale where
@@ -21,6 +21,9 @@
 
 namespace zerokern {
 
+// wire.py's BLOCK: 64, not the low-bit state's 256 (kBlock): int4 grads in blocks of 256 lost 0.7-1%
+// of a GPT's eval loss, in blocks of 64 0.3% (bench/lowbit_loss.py, 2026-12-03)
+constexpr int64_t kWireBlock = 64;
 constexpr uint32_t kStreamWire = 8;  // wire.py's STREAM_WIRE: counter word 3 is this + the caller's stream
 
 struct WireEncode {
@@ -44,7 +47,7 @@ struct WireDecode {
   bool accumulate = false;  // out += decoded, else out = decoded
 };
 
-ZK_HOST_DEVICE int64_t wire_blocks(int64_t n) { return (n + kBlock - 1) / kBlock; }
+ZK_HOST_DEVICE int64_t wire_blocks(int64_t n) { return (n + kWireBlock - 1) / kWireBlock; }
 ZK_HOST_DEVICE int64_t wire_code_bytes(int64_t n, int bits) { return bits == 8 ? n : (n + 1) / 2; }
 ZK_HOST_DEVICE int64_t wire_bytes(int64_t n, int bits) { return 4 * wire_blocks(n) + wire_code_bytes(n, bits); }
 ZK_HOST_DEVICE float wire_qmax(int bits) { return bits == 8 ? 127.f : 7.f; }

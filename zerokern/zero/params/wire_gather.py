@@ -3,10 +3,10 @@ wire, and how every rank reads it back (ParamWire). BucketParams (params/gather.
 place of its all-gather of the params' own dtype.
 
 [Note: quantized param gathers] Each rank sends its slice of the bucket as blockwise int8 codes
-with an fp32 scale per 256 elements ([Note: the wire format] in kernels/wire.py): one uint8
-all-gather of one contiguous chunk per rank, nbytes(n) = n + 4 ceil(n / 256) bytes for a slice
+with an fp32 scale per 64 elements ([Note: the wire format] in kernels/wire.py): one uint8
+all-gather of one contiguous chunk per rank, nbytes(n) = n + 4 ceil(n / 64) bytes for a slice
 of n elements (rounded up to a multiple of 4, so each chunk's scales can be read as fp32 in
-place), against 4n for fp32 params (3.94x fewer) and 2n for bf16 (1.97x). Every rank, the owner
+place), against 4n for fp32 params (3.76x fewer) and 2n for bf16 (1.88x). Every rank, the owner
 of a slice too, writes that slice from the decoded bytes alone, so every rank computes with
 bit-identical params: the same bytes, decoded and added by the same ops.
 - Stage 3 (gather_weights): what is sent is the owner's slice itself (ZeRO++'s qwZ). The slices

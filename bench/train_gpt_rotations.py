@@ -2,9 +2,11 @@
 torchrun jobs in rotation (order reversed every other rotation), on this machine's CPUs.
 
     python bench/train_gpt_rotations.py [--rotations 3] [--steps 60] [--json out.json]
+    python bench/train_gpt_rotations.py --cases zerokern-s2,zerokern-s2-int8,zerokern-s2-int4   # loopback
 
 Cases: zerokern stage 3 (the check on, the default), the same with ZEROKERN_CHECK_COLLECTIVES=0,
-and FSDP2 (`--optimizer fsdp2`: fully_shard + torch AdamW). Per run: the median step time of steps
+and FSDP2 (`--optimizer fsdp2`: fully_shard + torch AdamW); with --cases, stage 2 with grads reduced in
+full precision, int8 or int4 (what quantizing costs where the link is fast: loopback). Per run: the median step time of steps
 10 to the end (the example's --log-json); per case: the median over runs, and the range. The final
 losses are printed too: the cases train the same model on the same batches.
 """
@@ -22,7 +24,11 @@ CASES = {
     "zerokern-s3": (["--zero-stage", "3"], {}),
     "zerokern-s3-check-off": (["--zero-stage", "3"], {"ZEROKERN_CHECK_COLLECTIVES": "0"}),
     "fsdp2": (["--optimizer", "fsdp2"], {}),
+    "zerokern-s2": (["--zero-stage", "2"], {}),
+    "zerokern-s2-int8": (["--zero-stage", "2", "--reduce-precision", "int8"], {}),
+    "zerokern-s2-int4": (["--zero-stage", "2", "--reduce-precision", "int4"], {}),
 }
+DEFAULT = ("zerokern-s3", "zerokern-s3-check-off", "fsdp2")
 
 
 def run(case, steps, tmp):
@@ -41,12 +47,17 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rotations", type=int, default=3)
     ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--cases", default=",".join(DEFAULT), help=f"comma-separated, of {', '.join(CASES)}")
     ap.add_argument("--json")
     args = ap.parse_args()
-    runs = {c: [] for c in CASES}
+    cases = args.cases.split(",")
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        sys.exit(f"train_gpt_rotations: unknown case(s) {unknown}; choose from {list(CASES)}")
+    runs = {c: [] for c in cases}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rotations):
-            order = list(CASES) if r % 2 == 0 else list(reversed(CASES))
+            order = cases if r % 2 == 0 else cases[::-1]
             for case in order:
                 ms, loss = run(case, args.steps, tmp)
                 runs[case].append({"rotation": r + 1, "median_step_ms": ms, "final_loss": loss})
@@ -55,8 +66,8 @@ def main():
     for c, v in runs.items():
         ms = [x["median_step_ms"] for x in v]
         print(f"{c:24s} {medians[c]:7.1f} ms/step ({min(ms):.1f}-{max(ms):.1f})")
-    print(f"check on / off: {medians['zerokern-s3'] / medians['zerokern-s3-check-off']:.3f}x; "
-          f"zerokern-s3 / fsdp2: {medians['zerokern-s3'] / medians['fsdp2']:.3f}x")
+    first = cases[0]
+    print("; ".join(f"{c} / {first}: {medians[c] / medians[first]:.3f}x" for c in cases[1:]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": " ".join(sys.argv), "runs": runs, "medians_ms": medians}, f, indent=1)

@@ -46,6 +46,12 @@ def nbytes(n: int, bits: int) -> int:
     return 4 * num_blocks(n) + code_nbytes(n, bits)
 
 
+def stride(n: int, bits: int) -> int:
+    """The bytes a chunk of n values takes in a collective's buffer: nbytes rounded up to 4, so
+    every chunk's fp32 scales start 4-byte aligned (an int4 or int8 chunk of odd length would not)."""
+    return -(-nbytes(n, bits) // 4) * 4
+
+
 def _check_bits(bits):
     if bits not in QMAX:
         raise ValueError(f"zerokern: wire precision of {bits} bits; int8 (8) and int4 (4) are offered")

@@ -134,10 +134,7 @@ class GradWire:
         return out
 
 
-def stride(n: int, bits: int) -> int:
-    """The bytes a chunk of n values takes in a collective's buffer: wire.nbytes rounded up to 4, so
-    every chunk's fp32 scales start 4-byte aligned (an int4 or int8 chunk of odd length would not)."""
-    return -(-wire.nbytes(n, bits) // 4) * 4
+stride = wire.stride  # a chunk's bytes in a collective's buffer (aligned: kernels/wire.py)
 
 
 def all_reduce_bytes(part, world: int, w: Optional[GradWire]) -> int:

@@ -52,7 +52,7 @@ _STREAM = 2  # the wire's streams: 0 and 1 are the grad reductions' (comm/wire.p
 
 def chunk_bytes(n: int, bits: int) -> int:
     """Bytes one rank sends for a slice of n elements: the wire format's, to a multiple of 4."""
-    return -(-wire.nbytes(n, bits) // 4) * 4
+    return wire.stride(n, bits)
 
 
 def sent_bytes(n: int, element_size: int, precision) -> int:

@@ -36,7 +36,6 @@ def snapshot(model, opt):
 def save(rank, world, path, dtype, via):
     """Train, save with DCP (`via` torch's state-dict helpers or opt.state_dict()), then go on
     training: the uninterrupted run. Also: getting the state dicts changed nothing."""
-    torch.set_num_threads(1)
     model, opt = build(world, dtype)
     train(model, opt, rank, world, 0, STEPS_BEFORE)
     before = snapshot(model, opt)
@@ -53,7 +52,6 @@ def save(rank, world, path, dtype, via):
 
 def resume(rank, world, path, dtype, via):
     """A fresh model (other initial weights) and optimizer load the checkpoint and continue."""
-    torch.set_num_threads(1)
     model, opt = build(world, dtype, seed=5)
     if via == "helpers":
         sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}

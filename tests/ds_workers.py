@@ -13,7 +13,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _setup(rank, world):
     os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="29577")
-    torch.set_num_threads(1)
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     import deepspeed  # noqa: F401  (after DS_ACCELERATOR)
 

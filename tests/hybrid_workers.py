@@ -82,7 +82,6 @@ def _reference(world, data, optimizer="fused"):
 
 def train(rank, world, mesh, cases):
     """cases: [(stage, optimizer)]: each trained STEPS steps on `mesh` against one process."""
-    torch.set_num_threads(1)
     if mesh == "device_mesh":
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
@@ -105,7 +104,6 @@ def train(rank, world, mesh, cases):
 def checkpoint(rank, world, path, stage, save_mesh, load_mesh):
     """Train 2 steps at save_mesh, save with DCP, train 2 more; a fresh model and optimizer at
     load_mesh load the checkpoint and train the same 2 steps."""
-    torch.set_num_threads(1)
     data = _data(world, 4)
     model, opt = _build(stage, save_mesh)
     _steps(rank, world, model, opt, data[:2])
@@ -126,7 +124,6 @@ def checkpoint(rank, world, path, stage, save_mesh, load_mesh):
 
 def bad_mesh(rank, world, case):
     """The error each rank raises for a bad mesh (or None)."""
-    torch.set_num_threads(1)
     from torch.distributed.device_mesh import init_device_mesh
     mesh = {"not_dividing": lambda: (3, 2),
             "no_names": lambda: init_device_mesh("cpu", (2, 2)),
@@ -145,7 +142,6 @@ def bad_mesh(rank, world, case):
 def one_rank_raises(rank, world, mesh):
     """Rank 1 reads a stage-3 param outside its unit's forward at step 1 (refused on that rank
     only) and leaves; the others must raise too, not wait or fail with a bare socket error."""
-    torch.set_num_threads(1)
     model, opt = _build(3, mesh)
     for step, x in enumerate(_data(world)):
         opt.zero_grad()

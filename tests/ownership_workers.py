@@ -32,7 +32,6 @@ def _reference(seed, steps, after_backward=None):
 def moved_after_construction(rank, world, stage, how):
     """The model's params change storage after the optimizer was built; training goes on
     with the values the model holds."""
-    torch.set_num_threads(1)
     model = gpt(0)
     if how == "assign":
         for b in model.blocks:
@@ -63,7 +62,6 @@ def moved_after_construction(rank, world, stage, how):
 
 def cast_after_construction(rank, world):
     """model.to(torch.bfloat16) after the optimizer: a clear error naming the param."""
-    torch.set_num_threads(1)
     model = gpt(0)
     opt = FusedZeroAdam(model.parameters(), lr=LR, zero_stage=2)
     model.to(torch.bfloat16)
@@ -77,7 +75,6 @@ def cast_after_construction(rank, world):
 
 def grad_set_to_none(rank, world, stage):
     """p.grad = None after backward skips that param this step, as in torch.optim."""
-    torch.set_num_threads(1)
 
     def skip(model, opt, k):
         if k % 2 == 1:
@@ -110,7 +107,6 @@ class Shared(nn.Module):
 
 
 def reentrant_shared_layer(rank, world, stage, overlap):
-    torch.set_num_threads(1)
     g = torch.Generator().manual_seed(3)
     xs = [torch.randn(4 * world, 6, generator=g).requires_grad_() for _ in range(4)]
     model = Shared()
@@ -130,7 +126,6 @@ def reentrant_shared_layer(rank, world, stage, overlap):
 
 def broadcast_at_construction(rank, world):
     """Every rank builds its model with its own seed (stage 0): rank 0's params win, as with DDP."""
-    torch.set_num_threads(1)
     model = gpt(seed=rank)
     opt = FusedZeroAdam(model.parameters(), lr=LR, weight_decay=WD, zero_stage=0)
     _train(model, opt, tokens(3), lambda s: mine(s, rank, world))
@@ -139,7 +134,6 @@ def broadcast_at_construction(rank, world):
 
 def clip_grad_norm(rank, world, stage):
     """opt.clip_grad_norm_ between backward and step(): DDP + AdamW + torch's clip_grad_norm_."""
-    torch.set_num_threads(1)
     norms, ref_norms = [], []
     model = gpt(0)
     opt = FusedZeroAdam(model.parameters(), lr=LR, weight_decay=WD, zero_stage=stage, bucket_cap_mb=0.002)
@@ -151,7 +145,6 @@ def clip_grad_norm(rank, world, stage):
 
 
 def frozen_then_unfrozen(rank, world):
-    torch.set_num_threads(1)
     model = gpt(0)
     model.ln.weight.requires_grad_(False)
     opt = FusedZeroAdam(model.parameters(), lr=LR)

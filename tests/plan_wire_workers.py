@@ -17,7 +17,6 @@ def counted(rank, world, cases):
     leaves no committed residual): what this rank counted as sent to other hosts in that step,
     its error feedback after backward (committed + pending) and after step, and the bucket's
     padded size and shard (the params the layout reduces)."""
-    torch.set_num_threads(1)
     out = {}
     for stage, precision, mesh in cases:
         model = _model()

@@ -28,7 +28,6 @@ class TwoPaths(nn.Module):
 def stage0_accumulation_with_a_rank_local_param(rank, world):
     """Stage 0, two synced backwards per step (accumulation without no_sync): the second
     in-place all-reduce must keep the first one's average of `rare` (used on rank 0 only)."""
-    torch.set_num_threads(1)
     model = TwoPaths()
     ref = copy.deepcopy(model)
     opt = FusedZeroAdam(model.parameters(), lr=1e-2, weight_decay=0.0, zero_stage=0, bucket_cap_mb=1.0)
@@ -53,7 +52,6 @@ def fp16_sum_overflow_in_step(rank, world, clip=False):
     """fp16 grads reduced in step() (accumulated under no_sync), or in opt.clip_grad_norm_ just
     before it: a sum that overflows fp16 where no local grad does skips the step on every rank
     instead of writing inf/nan."""
-    torch.set_num_threads(1)
     torch.manual_seed(0)
     model = nn.Linear(8, 8).half()
     opt = FusedZeroAdam(model.parameters(), lr=1e-2, zero_stage=2)
@@ -71,7 +69,6 @@ def fp16_sum_overflow_in_step(rank, world, clip=False):
 
 def clip_with_grad_scaler(rank, world, how):
     """fp16 + GradScaler: opt.clip_grad_norm_ and max_grad_norm clip the unscaled norm alike."""
-    torch.set_num_threads(1)
     model = gpt(0).half()
     kw = {"max_grad_norm": 0.5} if how == "max_grad_norm" else {}
     opt = FusedZeroAdam(model.parameters(), lr=1e-3, weight_decay=0.0, zero_stage=2, **kw)
@@ -90,7 +87,6 @@ def clip_with_grad_scaler(rank, world, how):
 
 def grad_none_with_max_grad_norm(rank, world):
     """A param whose .grad was set to None counts for nothing in the clip norm, as in torch."""
-    torch.set_num_threads(1)
     model = gpt(0)
     ref = copy.deepcopy(model)
     opt = FusedZeroAdam(model.parameters(), lr=1e-2, weight_decay=0.05, zero_stage=2, max_grad_norm=0.1)
@@ -110,7 +106,6 @@ def checkpoint_before_first_step(rank, world, order):
     """bf16 params: weights loaded after the optimizer was built, and a shard state dict taken
     before the first step and loaded back, in either order (the optimizer's round trip first is
     what accelerator.prepare does): the first step trains the loaded weights."""
-    torch.set_num_threads(1)
     model = gpt(0).bfloat16()
     opt = FusedZeroAdam(model.parameters(), lr=1e-2, zero_stage=2)
     pretrained = gpt(7).bfloat16()
@@ -147,7 +142,6 @@ def random_unused_dtypes_buckets(rank, world, seed, steps=20):
     """Random subsets of layers unused per rank per step, a random dtype mix and bucket size,
     against AdamW on fp32 masters over the averaged grads (zeros where a rank had none; a param
     with no grad on any rank is skipped, as torch.optim skips .grad None)."""
-    torch.set_num_threads(1)
     g = torch.Generator().manual_seed(seed)
     stage = int(torch.randint(1, 3, (1,), generator=g))
     cap = [1e-4, 1e-3, 25.0][int(torch.randint(0, 3, (1,), generator=g))]

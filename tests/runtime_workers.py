@@ -99,7 +99,6 @@ def adamw_reference(steps, lr=1e-2, wd=0.05, seed=0):
 
 def module_units(rank, world, stage, steps=8):
     """zerokern.shard on each block and the root, then FusedZeroAdam over model.parameters()."""
-    torch.set_num_threads(1)
     model = gpt()
     for b in model.blocks:
         zerokern.shard(b, stage=stage, bucket_cap_mb=0.002)
@@ -118,7 +117,6 @@ def module_units(rank, world, stage, steps=8):
 def gradient_sync_off_accumulates(rank, world):
     """set_requires_gradient_sync(False) on the model (what Accelerate drives): two micro-batches,
     the first unsynced, equal one full batch under AdamW."""
-    torch.set_num_threads(1)
     model = gpt()
     for b in model.blocks:
         zerokern.shard(b, stage=2, bucket_cap_mb=0.002)
@@ -188,7 +186,6 @@ def interrupted_backward(rank, world, stage, zero_after_failure):
     """An exception caught mid-backward, then training goes on: the same numbers as AdamW
     doing the same (with zero_grad() after the failure, the partial grads are dropped;
     without it they stay, as torch accumulates them)."""
-    torch.set_num_threads(1)
     torch.manual_seed(0)
     model = BoomGPT()
     ref = copy.deepcopy(model)
@@ -203,7 +200,6 @@ def interrupted_backward(rank, world, stage, zero_after_failure):
 def released_buffers_die(rank, world):
     """Stage 2: after step() no full grad buffer survives outside the optimizer's small pool (weak
     references to every buffer the hooks saw die or are the pool's free buffers), at any world size."""
-    torch.set_num_threads(1)
     model = gpt()
     opt = FusedZeroAdam(model.parameters(), lr=1e-2, zero_stage=2, bucket_cap_mb=0.002)
     seen = {}
@@ -246,7 +242,6 @@ def state_dict_helpers(rank, world, stage):
     """torch's get_optimizer_state_dict sees per-param state and changes nothing."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    torch.set_num_threads(1)
     model = gpt()
     twin = copy.deepcopy(model)
     opts = [FusedZeroAdam(m.parameters(), lr=1e-2, weight_decay=0.05, zero_stage=stage, bucket_cap_mb=0.002)
@@ -294,7 +289,6 @@ class Router(nn.Module):
 def mixed_dtypes_unused_on_one_rank(rank, world, overlap):
     """One collective order across dtypes ([Note: one collective order]): the bf16 and fp32 buckets
     reduce in the same order on every rank although one rank has no grad for a bf16 layer."""
-    torch.set_num_threads(1)
     model = Router()
     ref = copy.deepcopy(model)
     opt = FusedZeroAdam(model.parameters(), lr=1e-2, weight_decay=0.0, zero_stage=2, bucket_cap_mb=1e-4, overlap_comm=overlap)
@@ -317,7 +311,6 @@ def grad_edit_after_backward(rank, world, stage, how):
     .grad holds the averaged grad (stage 0, or one process) the result is DDP + AdamW's doing the
     same; where it holds the local grad (stage 1 on several ranks) step() raises on every rank; where it
     is a placeholder (stage 2 on several ranks) the edit raises on the rank that makes it."""
-    torch.set_num_threads(1)
     model = gpt()
     ref = copy.deepcopy(model)
     opt = FusedZeroAdam(model.parameters(), lr=1e-2, weight_decay=0.05, zero_stage=stage, bucket_cap_mb=0.002)

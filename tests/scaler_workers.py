@@ -32,7 +32,6 @@ def overflow_on_one_rank(rank, world, dtype, scaler_kind, pattern, stage=2):
     synced), "accumulate" (no_sync, then a synced last micro-batch) or "no_sync" (every
     backward under no_sync; the reduction happens in step()). Returns every step's scale,
     whether each step changed the params, and the diff against AdamW with that step skipped."""
-    torch.set_num_threads(1)
     model, ref = net(dtype), net(dtype)
     opt = FusedZeroAdam(model.parameters(), lr=1e-2, weight_decay=0.01, zero_stage=stage, bucket_cap_mb=1e-4)
     Scaler = zerokern.GradScaler if scaler_kind == "zerokern" else torch.amp.GradScaler
@@ -83,7 +82,6 @@ def synced_then_partial_no_sync(rank, world, scaler_kind):
     rank 1 only the first layer (so rank 0's .grad holds no placeholder any more, rank 1's does),
     then scaler.step. The ranks must run the same collectives (found by review: agreeing on the
     overflow flag only when a placeholder was asked for put one all-reduce on rank 1 only)."""
-    torch.set_num_threads(1)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     opt = FusedZeroAdam(model.parameters(), lr=1e-2, zero_stage=2, bucket_cap_mb=1e-4)
@@ -106,7 +104,6 @@ def synced_then_partial_no_sync(rank, world, scaler_kind):
 def overflow_checks_without_a_scaler(rank, world):
     """fp32 at stage 2 without a GradScaler: the inf/nan agreement after backward (a pass over the
     shards and a collective) runs until the first step() shows there is no scaler, then no more."""
-    torch.set_num_threads(1)
     model = net(torch.float32)
     opt = FusedZeroAdam(model.parameters(), lr=1e-2, zero_stage=2, bucket_cap_mb=1e-4)
     calls, real = [], opt.engine.agreement.agreed_overflow

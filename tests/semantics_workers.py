@@ -60,7 +60,6 @@ def _grad_pattern(model):
 def unused_params_and_zero_grad(rank, world, stage, set_to_none):
     """Steps where `extra` gets no grad, after zero_grad(set_to_none): the same .grad-is-None
     pattern as torch after each backward and step, and the same params as torch AdamW."""
-    torch.set_num_threads(1)
     data = _data(world)
     ref = Net()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
@@ -84,7 +83,6 @@ def unused_params_and_zero_grad(rank, world, stage, set_to_none):
 
 def no_zero_grad_at_stage(rank, world, stage):
     """Two steps and no zero_grad(): stages 0/1 accumulate as torch does; stages 2/3 raise on every rank."""
-    torch.set_num_threads(1)
     data = _data(world)
     ref = Net()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
@@ -104,7 +102,6 @@ def no_zero_grad_at_stage(rank, world, stage):
 def stage3_scaler_inf_in_one_element(rank, world):
     """fp16 at stage 3 with a plain torch.amp.GradScaler: an inf in one element of rank 1's local
     grad at step 1 skips that step on every rank and halves the scale, as at stage 2."""
-    torch.set_num_threads(1)
     out = {}
     for stage in (2, 3):
         model = Net().half()
@@ -133,7 +130,6 @@ def stage3_scaler_inf_in_one_element(rank, world):
 
 
 def rank0_only_full_state_dict(rank, world, stage):
-    torch.set_num_threads(1)
     model, opt = _build(stage, world)
     model(_data(world)[0][rank * 4:(rank + 1) * 4], use_extra=True).backward()
     opt.step()
@@ -162,7 +158,6 @@ class Wrapped(nn.Module):
 def checkpoint_wrapper_full_state_dict(rank, world):
     """zerokern.full_state_dict of a stage-3 model whose units are inside checkpoint_wrapper:
     whole tensors, equal to the unwrapped model's after the same steps."""
-    torch.set_num_threads(1)
     g = torch.Generator().manual_seed(8)
     data = [torch.randn(4 * world, 16, generator=g) for _ in range(2)]
     out = {}
@@ -186,7 +181,6 @@ def checkpoint_wrapper_full_state_dict(rank, world):
 def per_unit_options(rank, world):
     """Stage 3 with each block's own bucket size and a root that keeps its params gathered from
     forward to backward (FSDP2's usual root setting): AdamW's numbers."""
-    torch.set_num_threads(1)
     data = _data(world)
     ref = Net()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
@@ -209,7 +203,6 @@ def per_unit_options(rank, world):
 def stage3_cast_after_building(rank, world):
     """model.to(bf16) after the optimizer at stage 3 (it casts only the empty placeholders): zerokern's
     error naming the param at the next gather, not a silent fp32 run or torch's dtype mismatch."""
-    torch.set_num_threads(1)
     model, opt = _build(3, world)
     model.to(torch.bfloat16)
     try:

@@ -15,7 +15,6 @@ from numerics import abs_diff
 
 def held_grad_memory(rank, world, stage, cap_mb):
     """Full grad buffers and reduced shards held during and after a synced backward."""
-    torch.set_num_threads(1)
     model = gpt()
     opt = FusedZeroAdam(model.parameters(), lr=1e-2, zero_stage=stage, bucket_cap_mb=cap_mb)
     buckets = opt.schedule.buckets
@@ -80,7 +79,6 @@ def random_accumulation(rank, world, stage, seed, steps=12, ops=None, collective
     of layers; between them, on every rank alike, a layer's grads dropped (.grad = None), zeroed
     (stage 2, right after a synced backward) or replaced by hand. Against torch's semantics for the
     same operations on one process per rank, averaged (zeros for a rank without a grad), AdamW."""
-    torch.set_num_threads(1)
     g = torch.Generator().manual_seed(seed)
     cap = [1e-4, 1e-3, 25.0][int(torch.randint(0, 3, (1,), generator=g))]
     ops_allowed = ops or ["none", "none", "drop", "replace"] + (["zero"] if stage == 2 else [])
@@ -139,7 +137,6 @@ def random_accumulation(rank, world, stage, seed, steps=12, ops=None, collective
 
 def placeholder_behaviour(rank, world):
     """What .grad is and does at stage 2 on several ranks ([Note: stage-2 .grad])."""
-    torch.set_num_threads(1)
     model = gpt()
     opt = FusedZeroAdam(model.parameters(), lr=1e-2, zero_stage=2, bucket_cap_mb=0.002)
     seq = tokens(1)[0]

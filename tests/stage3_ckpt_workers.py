@@ -74,7 +74,6 @@ def _whole(model):
 def save(rank, world, path, dtype, via):
     """Train, checkpoint (DCP via the model's and optimizer's own state dicts or torch's helpers,
     plus the consolidated ones), train on: the uninterrupted run."""
-    torch.set_num_threads(1)
     dtype = getattr(torch, dtype)
     model, opt = build(world, dtype)
     train(model, opt, rank, world, 0, BEFORE)
@@ -97,7 +96,6 @@ def save(rank, world, path, dtype, via):
 def resume(rank, world, path, dtype, via):
     """A fresh model (other initial weights) loads the checkpoint (`via`: DCP through the own state
     dicts or torch's helpers, or the consolidated file) and trains on."""
-    torch.set_num_threads(1)
     dtype = getattr(torch, dtype)
     model, opt = build(world, dtype, seed=5)
     if via == "full":
@@ -149,7 +147,6 @@ def dcp_into_plain_model(path):
 
 def mistakes(rank, world, path):
     """What is refused, on every rank, with the param and the fix named."""
-    torch.set_num_threads(1)
     model, opt = build(world, torch.float32)
     train(model, opt, rank, world, 0, 1)
     out = {}

@@ -88,7 +88,6 @@ def carried(opt):
 
 def save_run(rank, world, path, stage, precision, mesh, n, m, kind="fused"):
     """Train n steps, save, train m more (the uninterrupted run's last m losses)."""
-    torch.set_num_threads(1)
     batches = data(n + m)
     model, opt = build(stage, precision, mesh, kind)
     steps(rank, world, model, opt, batches[:n])
@@ -102,7 +101,6 @@ def save_run(rank, world, path, stage, precision, mesh, n, m, kind="fused"):
 def load_run(rank, world, path, stage, precision, mesh, n, m, forget=False, kind="fused"):
     """A fresh model and optimizer load the checkpoint and train the same m steps (forget: with
     the residuals dropped after loading, to measure what restoring them is worth)."""
-    torch.set_num_threads(1)
     batches = data(n + m)
     model, opt = build(stage, precision, mesh, kind)
     load(model, opt, path)
@@ -116,14 +114,12 @@ def load_run(rank, world, path, stage, precision, mesh, n, m, forget=False, kind
 
 def uninterrupted(rank, world, stage, precision, mesh, n, m):
     """n + m steps without stopping: the last m losses."""
-    torch.set_num_threads(1)
     model, opt = build(stage, precision, mesh)
     return steps(rank, world, model, opt, data(n + m))[n:]
 
 
 def skipped_fold(rank, world):
     """Rank 0 asks for a quantized optimizer's state_dict, rank 1 does not: the error rank 0 gets."""
-    torch.set_num_threads(1)
     os.environ["ZEROKERN_COLLECTIVE_TIMEOUT"] = "2"
     model, opt = build(2, "int8")
     steps(rank, world, model, opt, data(1))
@@ -141,7 +137,6 @@ def skipped_fold(rank, world):
 def full_round_trip(rank, world, stage, precision, n):
     """Train n steps; a fresh optimizer loads opt.full_state_dict() (handed to every rank): this
     rank's folded error feedback before and after, and the whole entry's shape (rank 0)."""
-    torch.set_num_threads(1)
     model, opt = build(stage, precision)
     steps(rank, world, model, opt, data(n))
     before = carried(opt)

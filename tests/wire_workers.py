@@ -79,7 +79,6 @@ def train(rank, world, cases, mesh=None, steps=12):
     """cases: [(stage, precision)]; each trained `steps` steps from the same start. Per case: losses,
     the params' distance to the first case's (the full-precision run), whether every rank holds the
     same params, and the error-feedback bytes."""
-    torch.set_num_threads(1)
     out = {}
     batches = _batches(rank, steps)
     for stage, precision in cases:
@@ -95,7 +94,6 @@ def train(rank, world, cases, mesh=None, steps=12):
 def skipped_step_leaves_no_trace(rank, world, stage, precision):
     """A run whose step 2 has an inf in rank 1's grads (the step is skipped everywhere) against
     the same run without that batch: the same bits after, residuals and rounding included."""
-    torch.set_num_threads(1)
     batches = _batches(rank, 5)
     runs = []
     for bad in ((2, 1), None):

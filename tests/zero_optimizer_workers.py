@@ -43,7 +43,6 @@ def _data(world):
 
 
 def train(rank, world, name, stage):
-    torch.set_num_threads(1)
     cls, kw = OPTIMIZERS[name]
     data, held_out = _data(world)
     ref = Net()
@@ -85,7 +84,6 @@ def train(rank, world, name, stage):
 def resume(rank, world, stage):
     """state_dict() after 2 steps, loaded into a fresh ZeroOptimizer: the next 2 steps are
     bitwise those of the uninterrupted run; a whole (one-process) torch state dict loads too."""
-    torch.set_num_threads(1)
     cls, kw = OPTIMIZERS["adamw"]
     data, _ = _data(world)
 
@@ -188,7 +186,6 @@ def checkpoint_resume(rank, world, name, stage, via, path, save_at):
     Then a fresh model and ZeroOptimizer load the checkpoint and train the remaining steps.
     via "round_trip": no file; after save_at steps torch's helpers take the optimizer's state dict
     and load it back into the same optimizer, against a run without that round trip."""
-    torch.set_num_threads(1)
     data, _ = _data(world)
     model, opt = _build(world, name, stage)
     _run(model, opt, rank, data[:save_at])
@@ -215,7 +212,6 @@ def checkpoint_resume(rank, world, name, stage, via, path, save_at):
 def resume_elsewhere(rank, world, name, stage, path, save_at):
     """A fresh model and ZeroOptimizer at this world size load a checkpoint saved by
     checkpoint_resume (via "dcp") at another one and train the remaining steps."""
-    torch.set_num_threads(1)
     data, _ = _data(2)  # the saving run's 2-rank batches: each rank takes its part of the same batch
     per = 8 // world
     model, opt = _build(world, name, stage)

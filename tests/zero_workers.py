@@ -49,7 +49,6 @@ def reference(dtype, steps, lr=1e-2, wd=0.05, adam_w=True, device="cpu"):
 
 
 def train_sharded(rank, world, dtype, stage, overlap, bucket_cap_mb, steps, adam_w=True, device="cpu", backend=None):
-    torch.set_num_threads(1)
     if device == "cuda":
         device = f"cuda:{torch.cuda.current_device()}"
     model = make_model(dtype, device=device)
@@ -74,7 +73,6 @@ def no_sync_equals_big_batch(rank, world):
     equals the full-batch gradient (compared shard by shard in the bucket layout)."""
     from zerokern.ops import flatten
 
-    torch.set_num_threads(1)
     model = make_model()
     opt = FusedZeroAdam(model.parameters(), lr=1e-2, zero_stage=2, bucket_cap_mb=0.001)
     (x, y), = batches(1)
@@ -115,7 +113,6 @@ class Partial(torch.nn.Module):
 
 
 def unused_params(rank, world):
-    torch.set_num_threads(1)
     model = Partial()
     before = copy.deepcopy(model)
     ref = copy.deepcopy(model)
@@ -146,7 +143,6 @@ def unused_params(rank, world):
 
 def grad_scaler_skip(rank, world, device="cpu", backend=None):
     """fp16 params: an inf on rank 1 only skips the step on both ranks, and both scalers back off."""
-    torch.set_num_threads(1)
     model = make_model(torch.float16, device=device)
     opt = FusedZeroAdam(model.parameters(), lr=1e-2, zero_stage=2, **({"backend": backend} if backend else {}))
     scaler = torch.amp.GradScaler(torch.device(device).type, init_scale=1024.0)
@@ -194,7 +190,6 @@ def step_after_destroy(rank, world):
 
 def checkpoint_save(rank, world, path, steps):
     """Train `steps` steps at this world size; rank 0 saves the model and the full optimizer state."""
-    torch.set_num_threads(1)
     model = make_model(torch.bfloat16)
     opt = FusedZeroAdam(model.parameters(), lr=1e-2, weight_decay=0.05, zero_stage=2, bucket_cap_mb=0.001)
     per = BATCH // world
@@ -212,7 +207,6 @@ def checkpoint_save(rank, world, path, steps):
 
 def checkpoint_resume(rank, world, path, steps_before, steps_after):
     """Load the checkpoint at this world size and continue; compare with an uninterrupted run."""
-    torch.set_num_threads(1)
     model = make_model(torch.bfloat16)
     opt = FusedZeroAdam(model.parameters(), lr=1e-2, weight_decay=0.05, zero_stage=2, bucket_cap_mb=0.002)
     ck = torch.load(path, weights_only=True)
@@ -246,7 +240,6 @@ def example_losses(rank, world, optimizer, dtype, grad_accum, stage):
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
     import train_gpt
 
-    torch.set_num_threads(1)
     args = train_gpt.parser().parse_args(["--optimizer", optimizer, "--dtype", dtype, "--grad-accum", str(grad_accum),
                                           "--steps", "25", "--log-every", "1000"]
                                          + ([] if stage is None else ["--zero-stage", str(stage)]))

@@ -57,6 +57,7 @@ def test_ddp_over_other_params_is_left_alone(loops):
     assert torch.equal(ranks[0]["weight"], ranks[1]["weight"])
 
 
+@pytest.mark.slow  # a Trainer/Accelerate script launched through torchrun (pyproject: slow)
 def test_a_plain_trainer_given_fused_zero_adam_fails_saying_zero_trainer(tmp_path):
     pytest.importorskip("transformers")
     errors = run_failing_script("hf_train.py", 2, str(tmp_path / "hf.pt"),
@@ -67,6 +68,7 @@ def test_a_plain_trainer_given_fused_zero_adam_fails_saying_zero_trainer(tmp_pat
         assert "transformers.Trainer: use zerokern.integrations.hf.ZeroTrainer" in error, error
 
 
+@pytest.mark.slow  # a Trainer/Accelerate script launched through torchrun (pyproject: slow)
 def test_a_plain_accelerator_given_fused_zero_adam_fails_saying_attach(tmp_path):
     pytest.importorskip("accelerate")
     errors = run_failing_script("accelerate_train.py", 2, str(tmp_path / "acc.pt"),

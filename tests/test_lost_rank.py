@@ -40,6 +40,7 @@ def uninterrupted(tmp_path_factory):
     return log["losses"]
 
 
+@pytest.mark.slow  # train_gpt.py jobs launched through torchrun (pyproject: slow)
 def test_killed_rank_restarts_on_the_same_curve(tmp_path, uninterrupted):
     proc, log, seconds = _train(tmp_path, "killed", 2, "--ckpt-dir", str(tmp_path / "ckpt"), "--kill-at-step", "5",
                                 restarts=1)
@@ -53,6 +54,7 @@ def test_killed_rank_restarts_on_the_same_curve(tmp_path, uninterrupted):
     assert seconds < 180, f"the killed job took {seconds:.0f} s: a survivor waited instead of raising"
 
 
+@pytest.mark.slow  # train_gpt.py jobs launched through torchrun (pyproject: slow)
 def test_lost_rank_ends_the_job_and_resumes_at_another_world_size(tmp_path, uninterrupted):
     ckpt = str(tmp_path / "ckpt")
     proc, log, seconds = _train(tmp_path, "killed", 2, "--ckpt-dir", ckpt, "--kill-at-step", "5")

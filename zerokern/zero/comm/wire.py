@@ -35,6 +35,17 @@ one step's rounding; a fixed scale, or bf16 without a scaler, carries it exactly
 keep the committed residuals as the gradient they still owe, folded over the ranks ([Note: error
 feedback in checkpoints] in optim/wire_checkpoint.py), not as each rank's own tensors, which fit
 one world size only.
+
+[Note: rounding with error feedback] With residuals the codes are rounded to nearest; without
+them (ZEROKERN_ERROR_FEEDBACK=0), stochastically ([Note: the wire format]). Stochastic rounding
+makes each round's sum unbiased, which is what a run without feedback needs, at the price of
+variance (up to a whole quantization step where round to nearest errs by at most half of one).
+Error feedback already carries each round's error into the next, so over steps the sum is exact
+up to one residual whatever the rounding: stochastic rounding would only add its variance, and
+the residual it leaves is up to twice as large (it is what the next round must add, and it
+widens that round's absmax, so its scale). Round to nearest with feedback is the usual pairing
+(1-bit Adam, LoCo); on bench/lowbit_loss.py it is also what measured better (docs/measured.md).
+A rerun is reproducible either way: round to nearest uses no random bits.
 """
 
 import os
@@ -103,6 +114,8 @@ class GradWire:
         self.replaces = False  # set by the bucket per launch ([Note: error feedback], stage 1)
         # ZEROKERN_ERROR_FEEDBACK=0: no residuals (the control run of bench/lowbit_loss.py, to see what they buy)
         self.feedback = os.environ.get("ZEROKERN_ERROR_FEEDBACK", "1") != "0"
+        # [Note: rounding with error feedback]: to nearest with residuals, stochastic without
+        self.stochastic = not self.feedback
 
     @staticmethod
     def of(precision, name, rank, seed=0) -> Optional["GradWire"]:
@@ -123,7 +136,8 @@ class GradWire:
 
     def encode(self, x: torch.Tensor, out: torch.Tensor, stream: int, offset: int, error: Optional[torch.Tensor]):
         from ...kernels import wire_ops
-        wire_ops.encode_(x, out, self.bits, self.seed, self.count, stream, self.base + offset, error=error)
+        wire_ops.encode_(x, out, self.bits, self.seed, self.count, stream, self.base + offset, error=error,
+                         stochastic=self.stochastic)
 
     def with_residual(self, x: torch.Tensor, res: Residual) -> torch.Tensor:
         """fp32 x plus what `res` carries (a new tensor: x is the caller's)."""

@@ -28,9 +28,10 @@ import torch
 
 from . import lowbit
 
-# elements per scale: 64, where the low-bit state's blocks are 256. int4 grads in blocks of 256
-# cost a byte-level GPT 0.73-0.98% of its eval loss after 300 steps; in blocks of 64, 0.27% (seed 0,
-# bench/lowbit_loss.py, 2026-12-03). The scales then take 0.5 bits per value (int4: 4.5 in all).
+# elements per scale: 64, where the low-bit state's blocks are 256. int4 grads with error feedback
+# and stochastic rounding cost a byte-level GPT 0.73-0.98% of its eval loss after 300 steps in blocks
+# of 256, 0.27-0.63% in blocks of 64; rounded to nearest in blocks of 64, 0.12-0.14% (2 seeds,
+# bench/lowbit_loss.py, 2026-12-03). The scales take 0.5 bits per value (int4: 4.5 in all).
 BLOCK = 64
 QMAX = {8: 127, 4: 7}
 STREAM_WIRE = 8  # the Philox counter's word 3 is STREAM_WIRE + the stream a caller passes (lowbit's are 0-2)

@@ -22,8 +22,8 @@
 
 namespace zerokern {
 
-// wire.py's BLOCK: 64, not the low-bit state's 256 (kBlock): int4 grads in blocks of 256 lost 0.7-1%
-// of a GPT's eval loss, in blocks of 64 0.3% (bench/lowbit_loss.py, 2026-12-03)
+// wire.py's BLOCK: 64, not the low-bit state's 256 (kBlock): int4 grads (stochastic rounding) in blocks
+// of 256 lost 0.7-1% of a GPT's eval loss, in blocks of 64 0.3-0.6% (bench/lowbit_loss.py, 2026-12-03)
 constexpr int64_t kWireBlock = 64;
 constexpr uint32_t kStreamWire = 8;  // wire.py's STREAM_WIRE: counter word 3 is this + the caller's stream
 

@@ -77,8 +77,10 @@ def main(num_warps):
                     "HAS_OUT": model is not None, "OUT_T": DTYPES[model or "fp16"], "BLOCK": triton_lowbit.BLOCK,
                 }, num_warps)
     for name, options in (("launch", triton_wire.OPTIONS), ("default", {})):
-        out[f"wire encode options={name}"] = wire_fmas(triton_wire._encode_kernel, {
-            "BITS": 4, "HAS_ERR": True, "X_BF16": False, "BLOCK": triton_wire.BLOCK}, num_warps, options)
+        for rounding, stochastic in (("", True), (" nearest", False)):  # x * inv + u, u random or 0.5
+            out[f"wire encode{rounding} options={name}"] = wire_fmas(triton_wire._encode_kernel, {
+                "BITS": 4, "HAS_ERR": True, "X_BF16": False, "STOCHASTIC": stochastic, "BLOCK": triton_wire.BLOCK},
+                num_warps, options)
         out[f"wire decode options={name}"] = wire_fmas(triton_wire._decode_kernel, {
             "BITS": 8, "ACCUMULATE": True, "BLOCK": triton_wire.BLOCK}, num_warps, options)
     print(json.dumps(out))

@@ -211,6 +211,6 @@ def test_triton_wire_kernels_round_twice_where_the_reference_does(triton_ptx):
     """x * inv + u, x - code * scale and out + code * scale are two roundings each in wire.py; Triton
     fuses them into FMAs by default (it did: 4 in encode, 2 in decode), which would change the
     bytes on a GPU. The launches' options (triton_wire.OPTIONS) leave none."""
-    for op in ("encode", "decode"):
+    for op in ("encode", "encode nearest", "decode"):
         assert triton_ptx[f"wire {op} options=launch"]["fma"] == 0, triton_ptx[f"wire {op} options=launch"]
         assert triton_ptx[f"wire {op} options=default"]["fma"] > 0  # what the check would miss otherwise

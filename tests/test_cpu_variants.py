@@ -62,18 +62,20 @@ for fmt in ("int8", "bf16"):
         out[("lowbit", fmt, pd)] = (p, m, v, (ms or []) + (vs or []))
 # the wire format (tests/test_wire_kernels.py checks the default variant against wire.py): blocks of
 # random, zero, inf and NaN, tiny (1 / scale is inf) values and a short one; a base that puts Philox
-# group 2^32 inside a block
+# group 2^32 inside a block; both roundings
 from zerokern.kernels import wire, wire_ops
 gen = torch.Generator().manual_seed(4)
 x = torch.randn(1337, generator=gen) * 3
 x[256:512] = 0.0; x[600] = float("inf"); x[800] = float("nan"); x[1024:1280] *= 1e-40
 for dtype in (torch.float32, torch.bfloat16):
-    for bits in (8, 4):
+    for bits, stochastic in ((8, True), (4, True), (4, False)):
         buf = torch.empty(wire.nbytes(x.numel(), bits), dtype=torch.uint8); err = torch.empty(x.numel())
-        wire_ops.encode_(x.to(dtype), buf, bits, 2**64 - 5, 7, 1, 8 * (1 << 32) - 8 * 37 - 3, error=err, backend="cpu")
+        wire_ops.encode_(x.to(dtype), buf, bits, 2**64 - 5, 7, 1, 8 * (1 << 32) - 8 * 37 - 3, error=err,
+                         stochastic=stochastic, backend="cpu")
         acc = torch.ones(x.numel())
         wire_ops.decode_add_(buf, x.numel(), bits, acc, backend="cpu")
-        out[("wire", bits, dtype)] = ([buf], [err.view(torch.int32)], [acc.view(torch.int32)], None)  # NaN: by bits
+        # NaN: by bits
+        out[("wire", bits, dtype, stochastic)] = ([buf], [err.view(torch.int32)], [acc.view(torch.int32)], None)
 torch.save(out, sys.argv[1])
 """
 

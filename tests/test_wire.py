@@ -81,3 +81,18 @@ def test_wire_format_is_unbiased_and_marks_non_finite_blocks():
     y = wire.decode(wire.encode(x, 8, 1, 0, 0, 0), 1000, 8)
     b = wire.BLOCK  # x[300]'s block is NaN, the others finite
     assert torch.isnan(y[300 // b * b:300 // b * b + b]).all() and torch.isfinite(y[:300 // b * b]).all()
+
+
+def test_error_feedback_rounds_to_nearest_and_owes_at_most_half_a_step():
+    """Constant grads, SGD at lr 1: with error feedback the params end where the true grads take
+    them, up to what the last round's rounding owes, at most half a quantization step (round to
+    nearest; [Note: rounding with error feedback]) however many steps and backwards a step. The
+    residual of a round adds to the next one's absmax, so its step is up to 1 / (2 QMAX - 1) wider:
+    the 10% margin. Without feedback the stochastic errors add up, past that bound."""
+    cases = [(2, 1, True), (2, 2, True), (1, 2, True), (2, 1, False)]
+    r = dist_harness.values(dist_harness.run(W.constant_grads, 2, cases, timeout=120))[0]
+    for case in cases[:3]:
+        drift, bound = r[case]["drift"].abs(), 1.1 * r[case]["half_step"]
+        assert (drift <= bound).all(), (case, (drift / bound).max().item())
+    drift, bound = r[cases[3]]["drift"].abs(), r[cases[3]]["half_step"]
+    assert (drift > 2 * bound).sum() > 100, (drift / bound).max().item()

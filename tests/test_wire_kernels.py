@@ -1,6 +1,7 @@
 """The wire format's kernels (zerokern.kernels.wire_ops) give wire.py's bytes exactly: codes and
 scales, the error output and the decoded values, bit for bit, for int8 and int4, odd lengths,
-zero, tiny, inf and NaN blocks, and every key of the random stream. Small sizes: the Triton
+zero, tiny, inf and NaN blocks, every key of the random stream, and both roundings (stochastic, and
+to nearest: [Note: the wire format]). Small sizes: the Triton
 kernels run under TRITON_INTERPRET on a CPU-only machine (conftest sets it). The CPU kernel's other
 SIMD variants are compared with the default one in tests/test_cpu_variants.py."""
 
@@ -59,25 +60,29 @@ def chunks():
 CHUNKS = chunks()
 
 
-def encode(x, bits, key, backend, error=True):
+ROUNDINGS = [pytest.param(True, id="stochastic"), pytest.param(False, id="nearest")]
+
+
+def encode(x, bits, key, backend, error=True, stochastic=True):
     device = device_for(backend)
     x = x.to(device)
     out = torch.full((wire.nbytes(x.numel(), bits),), 0xAB, dtype=torch.uint8, device=device)
     err = torch.full((x.numel(),), 123.0, device=device) if error else None
-    wire_ops.encode_(x, out, bits, *key, error=err, backend=backend)
+    wire_ops.encode_(x, out, bits, *key, error=err, stochastic=stochastic, backend=backend)
     return out.cpu(), (err.cpu() if error else None)
 
 
 @pytest.mark.parametrize("backend", ALL)
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("name", list(CHUNKS))
-def test_encode_matches_the_reference(backend, bits, name):
+@pytest.mark.parametrize("stochastic", ROUNDINGS)
+def test_encode_matches_the_reference(backend, bits, name, stochastic):
     x = CHUNKS[name]
-    ref, ref_err = wire.encode_with_error(x, bits, *KEY)
-    out, err = encode(x, bits, KEY, backend)
+    ref, ref_err = wire.encode_with_error(x, bits, *KEY, stochastic=stochastic)
+    out, err = encode(x, bits, KEY, backend, stochastic=stochastic)
     assert torch.equal(out, ref), f"bytes differ at {(out != ref).nonzero().flatten()[:8].tolist()}"
     assert torch.equal(bits_of(err), bits_of(ref_err))
-    out_only, _ = encode(x, bits, KEY, backend, error=False)
+    out_only, _ = encode(x, bits, KEY, backend, error=False, stochastic=stochastic)
     assert torch.equal(out_only, ref)
 
 
@@ -125,12 +130,23 @@ def test_every_key_of_the_random_stream(backend, bits):
 
 
 @pytest.mark.parametrize("backend", ALL)
+@pytest.mark.parametrize("bits", BITS)
+def test_round_to_nearest_reads_no_random_bits(backend, bits):
+    x = CHUNKS["special-1337"]
+    want = wire.encode(x, bits, *KEYS[0], stochastic=False)
+    for key in KEYS:
+        out, _ = encode(x, bits, key, backend, error=False, stochastic=False)
+        assert torch.equal(out, want), f"key {key}"
+
+
+@pytest.mark.parametrize("backend", ALL)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_inputs_are_read_as_fp32(backend, dtype):
+@pytest.mark.parametrize("stochastic", ROUNDINGS)
+def test_half_inputs_are_read_as_fp32(backend, dtype, stochastic):
     x = CHUNKS["special-1337"].clamp(-6e4, 6e4).to(dtype)  # fp16 would turn 3e38 into inf anyway
     for bits in BITS:
-        ref, ref_err = wire.encode_with_error(x, bits, *KEY)
-        out, err = encode(x, bits, KEY, backend)
+        ref, ref_err = wire.encode_with_error(x, bits, *KEY, stochastic=stochastic)
+        out, err = encode(x, bits, KEY, backend, stochastic=stochastic)
         assert torch.equal(out, ref)
         assert torch.equal(bits_of(err), bits_of(ref_err))
 
@@ -160,6 +176,7 @@ def test_opcheck():
         torch.library.opcheck(torch.ops.zerokern.wire_encode_.default,
                               (x, out, torch.empty(x.numel()), bits, 3, 1, 0, 5))
         torch.library.opcheck(torch.ops.zerokern.wire_encode_.default, (x, out, None, bits, -3, 1, 0, 5))
+        torch.library.opcheck(torch.ops.zerokern.wire_encode_.default, (x, out, None, bits, -3, 1, 0, 5, False))
         buf = wire.encode(x, bits, 1, 2, 0, 0)
         torch.library.opcheck(torch.ops.zerokern.wire_decode_.default, (buf, x.numel(), bits, torch.zeros(x.numel()),
                                                                          True))
@@ -181,6 +198,16 @@ def test_a_non_finite_block_has_scale_nan_codes_zero_and_error_zero():
             assert (codes[blk * B // per:(blk + 1) * B // per] == zero).all()
             assert (err[blk * B:(blk + 1) * B] == 0).all()
         assert wire.decode(buf, x.numel(), bits)[2 * B:4 * B].isnan().all()
+
+
+def test_round_to_nearest_is_within_half_a_step_and_stochastic_within_one():
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(4))
+    for bits in BITS:
+        step = wire.scales_of(x, bits).repeat_interleave(wire.BLOCK)
+        near = (wire.decode(wire.encode(x, bits, *KEY, stochastic=False), 4096, bits) - x).abs()
+        assert (near <= 0.5 * step * 1.0001).all()
+        sr = (wire.decode(wire.encode(x, bits, *KEY), 4096, bits) - x).abs()
+        assert (sr <= step * 1.0001).all() and (sr > 0.5 * step * 1.0001).any()  # not to nearest
 
 
 def test_a_tiny_block_is_quantized_like_any_other():

@@ -104,3 +104,34 @@ def skipped_step_leaves_no_trace(rank, world, stage, precision):
         runs.append((_params(model), opt.engine.last_step_skipped))
     (with_inf, _), (without, _) = runs
     return {"equal": torch.equal(with_inf, without), "diff": (with_inf - without).abs().max().item()}
+
+
+def constant_grads(rank, world, cases, steps=30, n=1000):
+    """[Note: error feedback] on grads that never change (rank r's: c_r, `accum` backwards a step): SGD
+    at lr 1 moves w by minus the sum of the reduced grads, so w + steps * mean_r(accum * c_r) is what
+    the rounding owes at the end. cases: [(stage, accum, feedback)]. Per case: that drift, and half a
+    quantization step of each element's block (the mean over ranks of absmax(accum * c_r) / QMAX)."""
+    import os
+
+    from zerokern.kernels import wire
+    torch.set_num_threads(1)
+    c = torch.randn(n, generator=torch.Generator().manual_seed(10 + rank))
+    out = {}
+    for stage, accum, feedback in cases:
+        os.environ["ZEROKERN_ERROR_FEEDBACK"] = "1" if feedback else "0"  # read when the buckets are made
+        try:
+            w = nn.Parameter(torch.zeros(n))
+            opt = zerokern.ZeroOptimizer([w], torch.optim.SGD, lr=1.0, zero_stage=stage, reduce_precision="int4")
+            for _ in range(steps):
+                opt.zero_grad()
+                for _ in range(accum):
+                    (w * c).sum().backward()
+                opt.step()
+        finally:
+            os.environ.pop("ZEROKERN_ERROR_FEEDBACK")
+        sent = accum * c
+        mean, half_step = sent.clone(), wire.scales_of(sent, 4).repeat_interleave(wire.BLOCK)[:n] / 2
+        dist.all_reduce(mean)
+        dist.all_reduce(half_step)
+        out[(stage, accum, feedback)] = {"drift": w.detach() + steps * mean / world, "half_step": half_step / world}
+    return out

@@ -68,8 +68,8 @@ __global__ void __launch_bounds__(kPairs) wire_encode_kernel(const T* __restrict
   if (finite && top != 0) {
     const float inv = __fdiv_rn(1.f, scale);
     const bool divide = isinf(inv);  // scale < 2^-128 ([Note: the wire format])
-    uint32_t r0, r1;
-    random_pair(a, a.base + i, &r0, &r1);
+    uint32_t r0 = kWireNearest, r1 = kWireNearest;
+    if (a.stochastic) random_pair(a, a.base + i, &r0, &r1);
     c0 = round_code(x0, scale, inv, divide, r0, q);
     c1 = round_code(x1, scale, inv, divide, r1, q);
   }

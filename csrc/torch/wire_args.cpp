@@ -20,7 +20,8 @@ void check_flat(const at::Tensor& t, const char* name, at::ScalarType dtype, int
 }  // namespace
 
 WireEncode wire_encode_args(const at::Tensor& x, const at::Tensor& out, const std::optional<at::Tensor>& error,
-                            int64_t bits, int64_t seed, int64_t step, int64_t stream, int64_t base) {
+                            int64_t bits, int64_t seed, int64_t step, int64_t stream, int64_t base,
+                            bool stochastic) {
   check_bits(bits);
   TORCH_CHECK_VALUE(is_kernel_float(x.scalar_type()) && x.is_contiguous(),
                     "wire: x must be a contiguous float32, float16 or bfloat16 tensor, is ",
@@ -39,6 +40,7 @@ WireEncode wire_encode_args(const at::Tensor& x, const at::Tensor& out, const st
   a.step = static_cast<uint32_t>(step);  // the counter's word 2: the step's low 32 bits, as wire.py
   a.stream = kStreamWire + static_cast<uint32_t>(stream);
   a.base = base;
+  a.stochastic = stochastic;
   return a;
 }
 

@@ -5,9 +5,12 @@ of wire_ops must give these bytes (tests compare them against this file).
 [Note: the wire format] A chunk of n fp32 values is cut into blocks of BLOCK elements, counted
 from its first element (the last block may be short). Each block keeps one fp32 scale,
 absmax / QMAX (QMAX = 127 for int8, 7 for int4), and one signed code per element,
-round(x * (1 / scale)) rounded stochastically: floor(x * inv + u) with u = r / 65536, r the 16
-random bits of [Note: reproducible rounding] (lowbit.py) for the element's global index, the
-reduction's step and the stream, so E[code * scale] = x and a rerun gives the same bytes. The
+floor(x * inv + u) with inv = 1 / scale, in one of two roundings: stochastic (the default), u =
+r / 65536 with r the 16 random bits of [Note: reproducible rounding] (lowbit.py) for the
+element's global index, the reduction's step and the stream, so E[code * scale] = x and a rerun
+gives the same bytes; or to nearest (stochastic=False), u = 0.5 (r = 2^15; ties round up), which
+reads no random bits. Grad reductions round to nearest when they keep error feedback and
+stochastically when not ([Note: rounding with error feedback] in zero/comm/wire.py). The
 codes are clamped to [-QMAX, QMAX] (x * inv may round a hair past QMAX). A block of zeros has
 scale 0 and codes 0. A block holding an inf or a NaN gets scale NaN and codes 0, so every value it
 decodes to is NaN: an overflow on one rank reaches every rank's reduced grads, and the step is
@@ -25,9 +28,10 @@ import torch
 
 from . import lowbit
 
-# elements per scale: 64, where the low-bit state's blocks are 256. int4 grads in blocks of 256
-# cost a byte-level GPT 0.73-0.98% of its eval loss after 300 steps; in blocks of 64, 0.27% (seed 0,
-# bench/lowbit_loss.py, 2026-12-03). The scales then take 0.5 bits per value (int4: 4.5 in all).
+# elements per scale: 64, where the low-bit state's blocks are 256. int4 grads with error feedback
+# and stochastic rounding cost a byte-level GPT 0.73-0.98% of its eval loss after 300 steps in blocks
+# of 256, 0.27-0.63% in blocks of 64; rounded to nearest in blocks of 64, 0.12-0.14% (2 seeds,
+# bench/lowbit_loss.py, 2026-12-03). The scales take 0.5 bits per value (int4: 4.5 in all).
 BLOCK = 64
 QMAX = {8: 127, 4: 7}
 STREAM_WIRE = 8  # the Philox counter's word 3 is STREAM_WIRE + the stream a caller passes (lowbit's are 0-2)
@@ -68,8 +72,9 @@ def scales_of(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def codes_of(x: torch.Tensor, scales: torch.Tensor, bits: int, seed: int, step: int, stream: int,
-             base: int) -> torch.Tensor:
-    """int32 codes of flat fp32 `x` under `scales`, stochastically rounded."""
+             base: int, stochastic: bool = True) -> torch.Tensor:
+    """int32 codes of flat fp32 `x` under `scales`, rounded stochastically or to nearest
+    ([Note: the wire format])."""
     n, q = x.numel(), QMAX[bits]
     ok = torch.isfinite(scales) & (scales > 0)
     safe = torch.where(ok, scales, torch.ones_like(scales))
@@ -78,17 +83,22 @@ def codes_of(x: torch.Tensor, scales: torch.Tensor, bits: int, seed: int, step: 
     # x * (1 / scale), one division per block; x / scale where 1 / scale overflows; 0 where not ok
     v = torch.where(per(torch.isinf(inv)), x / per(safe), x * per(inv))
     v = torch.where(per(ok), v, torch.zeros_like(v))
-    r = lowbit.random16(seed, step, STREAM_WIRE + stream, lowbit.element_index(base, n, x.device))
-    u = r.to(torch.float32) * (1.0 / 65536.0)
+    if stochastic:
+        r = lowbit.random16(seed, step, STREAM_WIRE + stream, lowbit.element_index(base, n, x.device))
+        u = r.to(torch.float32) * (1.0 / 65536.0)
+    else:
+        u = torch.full_like(v, 0.5)  # r = 2^15 for every element: floor(v + 0.5)
     return torch.floor(v + u).clamp_(-q, q).to(torch.int32)
 
 
-def encode(x: torch.Tensor, bits: int, seed: int, step: int, stream: int, base: int) -> torch.Tensor:
-    """The wire bytes (uint8, nbytes(n, bits)) of flat fp32 `x`; base: the global index of x[0]."""
+def encode(x: torch.Tensor, bits: int, seed: int, step: int, stream: int, base: int,
+           stochastic: bool = True) -> torch.Tensor:
+    """The wire bytes (uint8, nbytes(n, bits)) of flat fp32 `x`; base: the global index of x[0].
+    stochastic=False: round to nearest (seed, step and stream are then unused)."""
     _check_bits(bits)
     x = x.reshape(-1).float()
     scales = scales_of(x, bits)
-    codes = codes_of(x, scales, bits, seed, step, stream, base)
+    codes = codes_of(x, scales, bits, seed, step, stream, base, stochastic)
     if bits == 8:
         packed = codes.to(torch.int8).view(torch.uint8)
     else:
@@ -113,9 +123,10 @@ def decode(buf: torch.Tensor, n: int, bits: int) -> torch.Tensor:
     return codes * scales.repeat_interleave(BLOCK)[:n]
 
 
-def encode_with_error(x: torch.Tensor, bits: int, seed: int, step: int, stream: int, base: int):
+def encode_with_error(x: torch.Tensor, bits: int, seed: int, step: int, stream: int, base: int,
+                      stochastic: bool = True):
     """(wire bytes, what they lose: x - decode(bytes)). The error is 0 in a block that is not
     finite (its values are skipped with the step, not carried)."""
-    buf = encode(x, bits, seed, step, stream, base)
+    buf = encode(x, bits, seed, step, stream, base, stochastic)
     err = x.reshape(-1).float() - decode(buf, x.numel(), bits)
     return buf, torch.nan_to_num(err, nan=0.0, posinf=0.0, neginf=0.0)

@@ -1,11 +1,12 @@
 """The wire format's kernels: encode a chunk for a quantized collective, decode what arrives.
 
-    encode_(x, out, bits, seed, step, stream, base, error=None, backend="auto")
+    encode_(x, out, bits, seed, step, stream, base, error=None, stochastic=True, backend="auto")
     decode_(buf, n, bits, out, accumulate=False, backend="auto")
     decode_add_(buf, n, bits, out, backend="auto")
 
 encode_ writes wire.encode(x, bits, seed, step, stream, base) into `out` (uint8,
-wire.nbytes(n, bits)) and, given `error` (fp32, n), x - decode(out) with 0 in non-finite blocks
+wire.nbytes(n, bits)) (stochastic=False: rounded to nearest, seed, step and
+stream unused) and, given `error` (fp32, n), x - decode(out) with 0 in non-finite blocks
 (wire.encode_with_error). x: n float32, bfloat16 or float16 values, read as fp32. decode_ writes
 wire.decode(buf, n, bits) into `out` (fp32, n), or adds it (accumulate; decode_add_).
 [Note: the wire format] in wire.py defines the bytes; every backend gives them exactly.
@@ -28,7 +29,7 @@ _M32, _M64 = (1 << 32) - 1, (1 << 64) - 1
 
 
 def encode_(x: torch.Tensor, out: torch.Tensor, bits: int, seed: int, step: int, stream: int, base: int,
-            error: torch.Tensor = None, backend: str = "auto") -> None:
+            error: torch.Tensor = None, stochastic: bool = True, backend: str = "auto") -> None:
     n = _check_x(x)
     _check_bits(bits)
     _check_buffer(out, "out", torch.uint8, wire.nbytes(n, bits), x.device, f"wire.nbytes({n}, {bits})")
@@ -43,7 +44,7 @@ def encode_(x: torch.Tensor, out: torch.Tensor, bits: int, seed: int, step: int,
         raise ValueError(f"base (the global index of x[0]) must be >= 0 and base + n < 2**63, got {base}")
     step = int(step) & _M32  # the Philox counter holds the step's low 32 bits (lowbit.random16)
     module = _backend(backend, x.device)
-    module.encode_(x, out, bits, seed, step, stream, base, error)
+    module.encode_(x, out, bits, seed, step, stream, base, error, bool(stochastic))
 
 
 def decode_(buf: torch.Tensor, n: int, bits: int, out: torch.Tensor, accumulate: bool = False,

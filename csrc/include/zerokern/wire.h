@@ -7,7 +7,8 @@
 //           or a NaN (then every code is 0)
 //   code    floor(v + r / 65536) clamped to [-qmax, qmax], v = x * (1 / scale), or x / scale where
 //           1 / scale is inf; r: the 16 random bits of the element's global index (lowbit.h's
-//           random16, stream kStreamWire + the caller's); 0 in a block whose scale is 0 or NaN
+//           random16, stream kStreamWire + the caller's) when stochastic, else 2^15 (round to
+//           nearest, floor(v + 0.5)); 0 in a block whose scale is 0 or NaN
 //   bytes   all the chunk's scales (fp32, 4 bytes each, not necessarily 4-aligned), then its codes:
 //           int8 one byte each; int4 code + 8, two to a byte, the even element in the low nibble
 //   error   (optional) x - code * scale, 0 in a block whose scale is NaN
@@ -21,8 +22,8 @@
 
 namespace zerokern {
 
-// wire.py's BLOCK: 64, not the low-bit state's 256 (kBlock): int4 grads in blocks of 256 lost 0.7-1%
-// of a GPT's eval loss, in blocks of 64 0.3% (bench/lowbit_loss.py, 2026-12-03)
+// wire.py's BLOCK: 64, not the low-bit state's 256 (kBlock): int4 grads (stochastic rounding) in blocks
+// of 256 lost 0.7-1% of a GPT's eval loss, in blocks of 64 0.3-0.6% (bench/lowbit_loss.py, 2026-12-03)
 constexpr int64_t kWireBlock = 64;
 constexpr uint32_t kStreamWire = 8;  // wire.py's STREAM_WIRE: counter word 3 is this + the caller's stream
 
@@ -37,7 +38,10 @@ struct WireEncode {
   uint32_t step = 0;
   uint32_t stream = kStreamWire;  // the Philox counter's word 3 (kStreamWire + the caller's stream)
   int64_t base = 0;               // global index of x[0]
+  bool stochastic = true;         // stochastic rounding (seed, step, stream); false: to nearest
 };
+
+constexpr uint16_t kWireNearest = 0x8000;  // the r of round to nearest: u = 2^15 / 2^16 = 0.5
 
 struct WireDecode {
   const uint8_t* buf = nullptr;  // wire_bytes(n, bits)

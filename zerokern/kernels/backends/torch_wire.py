@@ -7,12 +7,12 @@ import torch
 from .. import wire
 
 
-def encode_(x, out, bits, seed, step, stream, base, error):
+def encode_(x, out, bits, seed, step, stream, base, error, stochastic=True):
     with torch.no_grad():
         if error is None:
-            out.view(-1).copy_(wire.encode(x, bits, seed, step, stream, base))
+            out.view(-1).copy_(wire.encode(x, bits, seed, step, stream, base, stochastic))
         else:
-            buf, err = wire.encode_with_error(x, bits, seed, step, stream, base)
+            buf, err = wire.encode_with_error(x, bits, seed, step, stream, base, stochastic)
             out.view(-1).copy_(buf)
             error.view(-1).copy_(err)
 

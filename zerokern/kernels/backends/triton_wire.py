@@ -32,17 +32,21 @@ def _load_f32(ptr, offs, mask, X_BF16: tl.constexpr):
 
 
 @triton.jit
-def _codes(x, mask, ok, safe, inv, big, seed, step, stream, index, QMAX: tl.constexpr):
+def _codes(x, mask, ok, safe, inv, big, seed, step, stream, index, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr):
     """int32 codes of one half block ([Note: the wire format]); 0 where the block is not ok."""
     v = tl.where(big, tl.div_rn(x, safe), x * inv)
-    u = _random16(seed, step, stream, index).to(tl.float32) * (1.0 / 65536.0)
+    if STOCHASTIC:
+        u = _random16(seed, step, stream, index).to(tl.float32) * (1.0 / 65536.0)
+    else:
+        u = 0.5  # round to nearest: floor(v + 0.5)
     t = tl.minimum(tl.maximum(tl.floor(v + u), -QMAX), QMAX)
     return tl.where(ok & mask, t, 0.0).to(tl.int32)
 
 
 @triton.jit
 def _encode_kernel(x_ptr, out_ptr, err_ptr, n, nb, seed, step, stream, base,
-                   BITS: tl.constexpr, HAS_ERR: tl.constexpr, X_BF16: tl.constexpr, BLOCK: tl.constexpr):
+                   BITS: tl.constexpr, HAS_ERR: tl.constexpr, X_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
+                   BLOCK: tl.constexpr):
     QMAX: tl.constexpr = 127.0 if BITS == 8 else 7.0
     HALF: tl.constexpr = BLOCK // 2
     blk = tl.program_id(0).to(tl.int64)
@@ -64,8 +68,8 @@ def _encode_kernel(x_ptr, out_ptr, err_ptr, n, nb, seed, step, stream, base,
     safe = tl.where(ok, scale, 1.0)
     inv = tl.div_rn(1.0, safe)
     big = inv == float("inf")  # scale < 2^-128: divide instead
-    ce = _codes(xe, me, ok, safe, inv, big, seed, step, stream, base + even, QMAX)
-    co = _codes(xo, mo, ok, safe, inv, big, seed, step, stream, base + odd, QMAX)
+    ce = _codes(xe, me, ok, safe, inv, big, seed, step, stream, base + even, QMAX, STOCHASTIC)
+    co = _codes(xo, mo, ok, safe, inv, big, seed, step, stream, base + odd, QMAX, STOCHASTIC)
     codes_ptr = out_ptr + 4 * nb
     if BITS == 8:
         tl.store(codes_ptr + even, (ce & 0xFF).to(tl.uint8), mask=me)
@@ -110,7 +114,7 @@ def _decode_kernel(buf_ptr, out_ptr, n, nb, BITS: tl.constexpr, ACCUMULATE: tl.c
     tl.store(out_ptr + odd, yo, mask=mo)
 
 
-def encode_(x, out, bits, seed, step, stream, base, error):
+def encode_(x, out, bits, seed, step, stream, base, error, stochastic=True):
     n = x.numel()
     if n == 0:
         return
@@ -119,7 +123,7 @@ def encode_(x, out, bits, seed, step, stream, base, error):
         _encode_kernel[(nb,)](x, out, error if error is not None else out, n, nb,
                               seed - 2**64 if seed >= 2**63 else seed, step, wire.STREAM_WIRE + stream, base,
                               BITS=bits, HAS_ERR=error is not None, X_BF16=x.dtype == torch.bfloat16,
-                              BLOCK=BLOCK, **OPTIONS)
+                              STOCHASTIC=bool(stochastic), BLOCK=BLOCK, **OPTIONS)
 
 
 def decode_(buf, n, bits, out, accumulate):

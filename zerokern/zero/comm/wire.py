@@ -14,27 +14,38 @@ all-reduce, whose sum every rank needs:
   same sum (hybrid sharding's replicas must do the same update).
 Sums are taken in rank order, so a result is the same whatever order the bytes arrive in.
 
-[Note: error feedback] What quantization loses is kept by the rank that lost it and added to
-what it sends next time (Seide et al. 2014; Karimireddy et al., "Error Feedback Fixes SignSGD",
-2019), so the rounding errors do not pile up across steps: over many steps the params move by
-the sum of the true grads, up to one step's rounding. A bucket keeps one residual for what it
-sends (the size of what it quantizes: the whole bucket in a flat group; its shard with hybrid
-sharding, where only the replica all-reduce is quantized) and, on more than 2 ranks of an
-all-reduce, one for its chunk of the sum. Residuals are kept in bf16 (they are below one
-quantization step, so bf16's 8 bits of mantissa lose nothing that matters) and counted by
-memory_report() as "error_feedback". A round's residual is pending until step(): it becomes the
-one the next round adds when the step updates, and is dropped when the step is skipped (an
-inf/nan on some rank) or the grads are zeroed without a step, so a skipped step loses nothing,
-the residual it consumed included. A second reduction of the same bucket in one round (a
-second synced backward at stage 2/3, a grad that came after the launch) adds the pending
-residual, as it adds to what the first one sent; at stage 1, whose second reduction replaces
-the first, it adds the committed one again. Residuals are in the units of the grads as reduced:
-under a GradScaler whose scale changes between two steps, the one carried over is off by that
-factor for one step (it is below one quantization step of those grads, so the effect is that of
-one step's rounding; a fixed scale, or bf16 without a scaler, carries it exactly). Checkpoints
-keep the committed residuals as the gradient they still owe, folded over the ranks ([Note: error
-feedback in checkpoints] in optim/wire_checkpoint.py), not as each rank's own tensors, which fit
-one world size only.
+[Note: error feedback] What quantization loses is kept by the rank that lost it and added to what
+it sends next time (Seide et al. 2014; Karimireddy et al., "Error Feedback Fixes SignSGD", 2019),
+so the rounding errors do not pile up across steps: over many steps the params move by the sum of
+the true grads, up to one step's rounding. A bucket keeps one residual for what it sends (the
+size of what it quantizes: the whole bucket in a flat group; its shard with hybrid sharding,
+where only the replica all-reduce is quantized) and, on more than 2 ranks of an all-reduce, one
+for its chunk of the sum. Residuals are kept in bf16 (they are below one quantization step, so
+bf16's 8 bits of mantissa lose nothing that matters; fp32 ones measured no better,
+docs/measured.md) and counted by memory_report() as "error_feedback". A round's residual is
+pending until step(): it becomes the one the next round adds when the step updates, and is
+dropped when the step is skipped (an inf/nan on some rank) or the grads are zeroed without a
+step, so a skipped step loses nothing, the residual it consumed included. A second reduction of
+the same bucket in one round (a second synced backward at stage 2/3, a grad that came after the
+launch) adds the pending residual, as it adds to what the first one sent; at stage 1, whose
+second reduction replaces the first, it adds the committed one again. Residuals are in the units
+of the grads as reduced: under a GradScaler whose scale changes between two steps, the one
+carried over is off by that factor for one step (it is below one quantization step of those
+grads, so the effect is that of one step's rounding; a fixed scale, or bf16 without a scaler,
+carries it exactly). Checkpoints keep the committed residuals as the gradient they still owe,
+folded over the ranks ([Note: error feedback in checkpoints] in optim/wire_checkpoint.py), not as
+each rank's own tensors, which fit one world size only.
+
+[Note: rounding with error feedback] With residuals the codes are rounded to nearest; without
+them (ZEROKERN_ERROR_FEEDBACK=0), stochastically ([Note: the wire format]). Stochastic rounding
+makes each round's sum unbiased, which is what a run without feedback needs, at the price of
+variance (up to a whole quantization step where round to nearest errs by at most half of one).
+Error feedback already carries each round's error into the next, so over steps the sum is exact
+up to one residual whatever the rounding: stochastic rounding would only add its variance, and
+the residual it leaves is up to twice as large (it is what the next round must add, and it
+widens that round's absmax, so its scale). Round to nearest with feedback is the usual pairing
+(1-bit Adam, LoCo); on bench/lowbit_loss.py it is also what measured better (docs/measured.md).
+A rerun is reproducible either way: round to nearest uses no random bits.
 """
 
 import os
@@ -103,6 +114,8 @@ class GradWire:
         self.replaces = False  # set by the bucket per launch ([Note: error feedback], stage 1)
         # ZEROKERN_ERROR_FEEDBACK=0: no residuals (the control run of bench/lowbit_loss.py, to see what they buy)
         self.feedback = os.environ.get("ZEROKERN_ERROR_FEEDBACK", "1") != "0"
+        # [Note: rounding with error feedback]: to nearest with residuals, stochastic without
+        self.stochastic = not self.feedback
 
     @staticmethod
     def of(precision, name, rank, seed=0) -> Optional["GradWire"]:
@@ -123,7 +136,8 @@ class GradWire:
 
     def encode(self, x: torch.Tensor, out: torch.Tensor, stream: int, offset: int, error: Optional[torch.Tensor]):
         from ...kernels import wire_ops
-        wire_ops.encode_(x, out, self.bits, self.seed, self.count, stream, self.base + offset, error=error)
+        wire_ops.encode_(x, out, self.bits, self.seed, self.count, stream, self.base + offset, error=error,
+                         stochastic=self.stochastic)
 
     def with_residual(self, x: torch.Tensor, res: Residual) -> torch.Tensor:
         """fp32 x plus what `res` carries (a new tensor: x is the caller's)."""

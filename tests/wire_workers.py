@@ -114,7 +114,6 @@ def constant_grads(rank, world, cases, steps=30, n=1000):
     import os
 
     from zerokern.kernels import wire
-    torch.set_num_threads(1)
     c = torch.randn(n, generator=torch.Generator().manual_seed(10 + rank))
     out = {}
     for stage, accum, feedback in cases:

@@ -11,18 +11,38 @@ param gathers never cross hosts (so gather_precision leaves them full precision:
 param gathers] in params/wire_gather.py). Agreements (flags, overflow, setup broadcasts, the checks that
 every rank passed the same model) go over the whole mesh, so every rank still raises alike.
 
-With the collective check on, the replica all-reduce of a shard is queued at once and launched
-by the replica group's check thread as soon as the shard's reduce-scatter is done ([Note:
-announced collectives]), so it overlaps the rest of the backward; with the check off it is
-launched when the bucket is waited for.
+[Note: the replica hop's thread] With the collective check on, the replica all-reduce of a
+shard is handed to a thread of the HybridComm's own (the relay), which waits for the shard's
+reduce-scatter and then queues the all-reduce ([Note: announced collectives]), hops in the order
+they were handed over, so every rank queues them alike. The caller goes on with the backward.
+Launched from the caller's thread (as it was when the check's plan had it), the wait for the
+reduce-scatter blocked the backward at every bucket: 0.4-0.7 s of a 1.5-2.0 s int4 step on the
+2 x 2 test bed (bench/multihost.py). The wait is not left to the check's own thread either: that
+thread must stay free for the rounds the other hosts' threads announce in, and one blocked on a
+reduce-scatter (which waits for its host peer's backward, which may wait for a buffer: below)
+closes a cycle through the other host and hangs. With the check off the all-reduce is launched
+on the caller's thread when the bucket is waited for or its input released (a user's collective
+on the same group could otherwise interleave differently on two ranks).
+
+[Note: reading the input] Only the first hop reads the bucket's full buffer; the replica hop
+reads and writes the reduced shard alone. So the Work of the two carries `read`, a Work done once
+the first hop is (the relay has queued the second), and the grad path gives the full buffer back
+to the pool then, not when the replicas have summed ([Note: stage-2 memory] in
+grads/released.py): a backward keeps IN_FLIGHT_BUCKETS buffers in flight either way, but no
+longer waits for the slow link to free one. Where the second hop reads the input (`part` views
+it: an all-reduce whose result is read in place), `read` is None and the whole reduction is
+waited for.
 """
 
+import queue
+import threading
 import time
 from typing import Tuple
 
 import torch.distributed as dist
 
 from . import wire as wire_comm
+from .works import Callback
 
 
 NAMES = ("replicate", "shard")
@@ -32,19 +52,75 @@ _MESHES = {}
 
 
 class _Then:
-    """A collective launched only when the one before it is waited for (collective check off)."""
+    """A collective launched only when the one before it is waited for (collective check off),
+    or its input released ([Note: reading the input])."""
 
-    def __init__(self, first, second):
+    def __init__(self, first, second, frees_input):
         self.first, self.second, self.work = first, second, None
+        self.read = Callback(self._start) if frees_input else None
 
-    def wait(self):
+    def _start(self):
         if self.work is None:
             self.first.wait()
             self.work = self.second()
+
+    def wait(self):
+        self._start()
         return self.work.wait()
 
     def is_completed(self):
         return self.work is not None and self.work.is_completed()
+
+
+class _Hop:
+    """A replica hop handed to the relay ([Note: the replica hop's thread]): launch() once `first`
+    is done. Work-like, with `read` ([Note: reading the input])."""
+
+    def __init__(self, first, launch, frees_input):
+        self.first, self.launch = first, launch
+        self.work = self.error = None
+        self.launched = threading.Event()
+        self.read = Callback(self.wait_launched) if frees_input else None
+
+    def run(self) -> None:  # (on the relay)
+        try:
+            self.first.wait()
+            self.work = self.launch()
+        except BaseException as e:  # noqa: BLE001  raised to the waiter
+            self.error = e
+        self.launched.set()
+
+    def wait_launched(self) -> None:
+        self.launched.wait()
+        if self.error is not None:
+            raise self.error
+
+    def wait(self):
+        self.wait_launched()
+        return self.work.wait()
+
+    def is_completed(self):
+        return self.launched.is_set() and (self.error is not None or self.work.is_completed())
+
+
+class _Relay:
+    """The thread that launches a HybridComm's replica hops, in order ([Note: the replica hop's
+    thread]); started with the first hop."""
+
+    def __init__(self):
+        self._queue = queue.SimpleQueue()
+        self._thread = None
+
+    def hand(self, hop: _Hop) -> _Hop:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"zerokern-relay-{id(self)}", daemon=True)
+            self._thread.start()
+        self._queue.put(hop)
+        return hop
+
+    def _run(self) -> None:
+        while True:
+            self._queue.get().run()
 
 
 def describe(mesh) -> Tuple:
@@ -102,6 +178,7 @@ class HybridComm:
         # per host sends 2 (h - 1) / h of the tensor): the counter bench/multihost.py checks
         # against the links' own counters and the planner's count
         self.inter_host_bytes = 0
+        self._relay = _Relay()
 
     distributed = True
 
@@ -124,31 +201,29 @@ class HybridComm:
     def wait_seconds(self) -> float:
         return self.shards.wait_seconds  # wait() below adds every wait there
 
-    def _across(self, first, part, name, w=None):
-        """`first` (a shard-group collective whose result is `part`), then `part` summed across the
-        replicas; w: its GradWire, if the grads cross hosts in another precision (only this hop is
-        quantized: [Note: quantized reductions] in comm/wire.py)."""
+    def _across(self, first, input, part, name, w=None):
+        """`first` (a shard-group collective of `input` whose result is `part`), then `part` summed
+        across the replicas; w: its GradWire, if the grads cross hosts in another precision (only
+        this hop is quantized: [Note: quantized reductions] in comm/wire.py)."""
         r, name = self.replicas, f"{name}/replicas"
         h = r.world_size
+        # [Note: reading the input]: free after the first hop unless the second reads it (part views it)
+        frees = part.untyped_storage().data_ptr() != input.untyped_storage().data_ptr()
         self.inter_host_bytes += wire_comm.all_reduce_bytes(part, h, w)
-        if r.check is not None:
-            if w is not None and w.bits is not None:
-                return r._launch(name, part, lambda g: (first.wait(), wire_comm.all_reduce(part, g, r.rank, h, w))[1],
-                                 blocks=h > 2)
-            if w is None:
-                return r._launch(name, part,
-                                 lambda g: (first.wait(), dist.all_reduce(part, group=g, async_op=True))[1])
-        return _Then(first, lambda: r.all_reduce(part, name=name, wire=w))
+        launch = lambda: r.all_reduce(part, name=name, wire=w)  # noqa: E731
+        if r.check is not None:  # [Note: the replica hop's thread]
+            return self._relay.hand(_Hop(first, launch, frees))
+        return _Then(first, launch, frees)
 
     def reduce_scatter(self, output, input, name="reduce_scatter", wire=None):
-        return self._across(self.shards.reduce_scatter(output, input, name), output, name, wire)
+        return self._across(self.shards.reduce_scatter(output, input, name), input, output, name, wire)
 
     def all_reduce(self, tensor, op=dist.ReduceOp.SUM, name="all_reduce", across=None, wire=None):
         """Over the whole mesh. across: grads, of which only this part is needed after (this
         rank's range of a bucket): summed in the shard group, then that part across replicas."""
         if across is None:
             return self.world.all_reduce(tensor, op=op, name=name)
-        return self._across(self.shards.all_reduce(tensor, op=op, name=name), across, name, wire)
+        return self._across(self.shards.all_reduce(tensor, op=op, name=name), tensor, across, name, wire)
 
     def all_gather(self, output, input, name="all_gather"):
         return self.shards.all_gather(output, input, name)

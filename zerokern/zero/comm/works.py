@@ -8,6 +8,14 @@ from datetime import timedelta
 import torch.distributed as dist
 
 
+class Callback:
+    """A Work-like whose wait() is a call: `read` of a two-hop reduction ([Note: reading the
+    input] in comm/hybrid.py)."""
+
+    def __init__(self, wait):
+        self.wait = wait
+
+
 class _Done:
     """A finished collective (world size 1)."""
 

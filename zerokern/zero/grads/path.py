@@ -127,6 +127,14 @@ class ReleasedGrads:
             bucket.wait()
             self._give_back(flat, bucket)
 
+    def release_buffer(self, flat, bucket) -> None:
+        """The full buffer goes back to the pool as soon as the reduction no longer reads it (the
+        end of its first hop with hybrid sharding: [Note: reading the input] in comm/hybrid.py,
+        else its end); the reduction may run on, and settle() ends it."""
+        if bucket.state is BucketState.IN_FLIGHT and not bucket.input_read():
+            bucket.wait()
+        self._give_back(flat, bucket)
+
     def abandon(self, flat, bucket) -> None:
         self.settle(flat, bucket)
         bucket.abandon()

@@ -12,8 +12,9 @@ reduction is waited for (the pool keeps it for the next backward: [Note: what
 the pool keeps] in grads/pool.py). So after a synced backward a rank holds its reduced
 shards plus nothing else; during backward, the buckets autograd is filling
 (usually one or two, and one a tied embedding holds open all backward) plus at
-most IN_FLIGHT_BUCKETS reductions in flight (ReduceSchedule waits for the
-oldest beyond that); zerokern/plan counts 5 buckets for it. Under no_sync() the pending buffers stay, as FSDP2's
+most IN_FLIGHT_BUCKETS reductions reading their buffers (ReduceSchedule waits until the
+oldest beyond that has read its buffer: the reduction's end, or with hybrid sharding the end of
+its first hop, [Note: reading the input] in comm/hybrid.py); zerokern/plan counts 5 buckets for it. Under no_sync() the pending buffers stay, as FSDP2's
 unsharded grads do, and the next synced backward or step() reduces them.
 
 What .grad holds is in [Note: stage-2 .grad] (grads/placeholder.py). A grad that
@@ -152,6 +153,16 @@ class ReleasingGradBucket(GradBucket):
             self.work = self.comm.reduce_scatter(self._scratch, full, name=f"reduce_scatter[{name}]", wire=self.wire)
         self.state = BucketState.IN_FLIGHT
         self.overflow = None  # the shard changes: a flag agreed before no longer holds
+
+    def input_read(self) -> bool:
+        """IN_FLIGHT: waits until the reduction no longer reads the full buffer, if its Work can say
+        so (hybrid sharding's first hop: [Note: reading the input] in comm/hybrid.py); False where
+        only the whole reduction's end can. The reduction may still run: wait() ends it."""
+        read = getattr(self.work, "read", None)  # (a Work-like without it, or None: cannot say)
+        if read is None:
+            return False
+        self.comm.wait(read)
+        return True
 
     def wait(self) -> None:
         """IN_FLIGHT -> REDUCED: the average is added into the shard. The full buffer is scratch from

@@ -92,10 +92,10 @@ class ReduceSchedule:
     def _launch(self, k: int) -> None:
         flat, bucket = self._flats[k], self.buckets[k]
         self.path.launch(flat, bucket)
-        if bucket.draws_from_pool:  # its buffer goes back when it is waited for
+        if bucket.draws_from_pool:  # its buffer goes back once the reduction has read it
             self._in_flight.append((flat, bucket))
             while len(self._in_flight) > IN_FLIGHT_BUCKETS:
-                self.path.settle(*self._in_flight.popleft())  # its full buffer goes back to the pool
+                self.path.release_buffer(*self._in_flight.popleft())  # its full buffer goes back to the pool
 
     def _end_of_backward(self) -> None:
         with torch.no_grad():

@@ -131,7 +131,9 @@ class ReleasedGrads:
         """The full buffer goes back to the pool as soon as the reduction no longer reads it (the
         end of its first hop with hybrid sharding: [Note: reading the input] in comm/hybrid.py,
         else its end); the reduction may run on, and settle() ends it."""
-        if bucket.state is BucketState.IN_FLIGHT and not bucket.input_read():
+        if bucket.state is not BucketState.IN_FLIGHT:
+            return  # settled already (re-launched since, or waited for): as settle(), nothing to give
+        if not bucket.input_read():
             bucket.wait()
         self._give_back(flat, bucket)
 

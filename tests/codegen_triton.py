@@ -79,7 +79,8 @@ def main(num_warps):
     for name, options in (("launch", triton_wire.OPTIONS), ("default", {})):
         for rounding, stochastic in (("", True), (" nearest", False)):  # x * inv + u, u random or 0.5
             out[f"wire encode{rounding} options={name}"] = wire_fmas(triton_wire._encode_kernel, {
-                "BITS": 4, "HAS_ERR": True, "X_BF16": False, "STOCHASTIC": stochastic, "BLOCK": triton_wire.BLOCK},
+                "BITS": 4, "HAS_ERR": True, "X_BF16": False, "STOCHASTIC": stochastic, "HAS_RES": True,
+                "RES_BF16": False, "ERR_BF16": False, "BLOCK": triton_wire.BLOCK},
                 num_warps, options)
         out[f"wire decode options={name}"] = wire_fmas(triton_wire._decode_kernel, {
             "BITS": 8, "ACCUMULATE": True, "BLOCK": triton_wire.BLOCK}, num_warps, options)

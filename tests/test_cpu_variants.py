@@ -76,6 +76,11 @@ for dtype in (torch.float32, torch.bfloat16):
         wire_ops.decode_add_(buf, x.numel(), bits, acc, backend="cpu")
         # NaN: by bits
         out[("wire", bits, dtype, stochastic)] = ([buf], [err.view(torch.int32)], [acc.view(torch.int32)], None)
+        # a bf16 residual added and overwritten in place by the bf16 error (error feedback's path)
+        res = (torch.randn(x.numel(), generator=gen) * 0.1).bfloat16()
+        wire_ops.encode_(x.to(dtype), buf, bits, 2**64 - 5, 7, 1, 0, error=res, residual=res,
+                         stochastic=stochastic, backend="cpu")
+        out[("wire residual", bits, dtype, stochastic)] = ([buf], [res.view(torch.int16)], [], None)
 torch.save(out, sys.argv[1])
 """
 

@@ -151,6 +151,41 @@ def test_half_inputs_are_read_as_fp32(backend, dtype, stochastic):
         assert torch.equal(bits_of(err), bits_of(ref_err))
 
 
+SIDE = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
+
+
+@pytest.mark.parametrize("backend", ALL)
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("res_dtype", SIDE)
+@pytest.mark.parametrize("err_dtype", SIDE)
+@pytest.mark.parametrize("stochastic", ROUNDINGS)
+def test_a_residual_is_added_in_the_encode_and_the_error_may_replace_it(backend, bits, res_dtype, err_dtype,
+                                                                         stochastic):
+    """[Note: error feedback]'s add in the encode's pass: the bytes of x + residual (one fp32 add),
+    its error stored as fp32 or bf16 (rounded to nearest even), and the error written over the
+    residual itself when they are one tensor."""
+    device = device_for(backend)
+    x = CHUNKS["special-1337"].clone()
+    x[5 * wire.BLOCK + 1] = 1e30  # no overflow when the residual is added
+    res = (torch.randn(x.numel(), generator=torch.Generator().manual_seed(5)) * 0.5).to(res_dtype)
+    for xd in (torch.float32, torch.bfloat16):
+        ref, ref_err = wire.encode_with_error(x.to(xd).float() + res.float(), bits, *KEY, stochastic=stochastic)
+        ref_err = ref_err.to(err_dtype)
+        out = torch.full((wire.nbytes(x.numel(), bits),), 0xAB, dtype=torch.uint8, device=device)
+        err = torch.full((x.numel(),), 123.0, dtype=err_dtype, device=device)
+        wire_ops.encode_(x.to(xd).to(device), out, bits, *KEY, error=err, residual=res.to(device),
+                         stochastic=stochastic, backend=backend)
+        assert torch.equal(out.cpu(), ref), f"bytes differ at {(out.cpu() != ref).nonzero().flatten()[:8].tolist()}"
+        assert torch.equal(err.cpu().float().view(torch.int32), ref_err.float().view(torch.int32))
+        if res_dtype == err_dtype:  # in place: the residual becomes this round's error
+            inplace = res.to(device, copy=True)
+            out.fill_(0xAB)
+            wire_ops.encode_(x.to(xd).to(device), out, bits, *KEY, error=inplace, residual=inplace,
+                             stochastic=stochastic, backend=backend)
+            assert torch.equal(out.cpu(), ref)
+            assert torch.equal(inplace.cpu().float().view(torch.int32), ref_err.float().view(torch.int32))
+
+
 @pytest.mark.skipif(wire_ops.wire_backend("auto", torch.device("cpu")).__name__.endswith("torch_wire"),
                     reason="the CPU extension is not built")
 def test_cpu_same_bytes_at_any_thread_count():
@@ -177,6 +212,9 @@ def test_opcheck():
                               (x, out, torch.empty(x.numel()), bits, 3, 1, 0, 5))
         torch.library.opcheck(torch.ops.zerokern.wire_encode_.default, (x, out, None, bits, -3, 1, 0, 5))
         torch.library.opcheck(torch.ops.zerokern.wire_encode_.default, (x, out, None, bits, -3, 1, 0, 5, False))
+        res = torch.randn(x.numel()).bfloat16()
+        torch.library.opcheck(torch.ops.zerokern.wire_encode_.default,
+                              (x, out, torch.empty(x.numel(), dtype=torch.bfloat16), bits, 3, 1, 0, 5, False, res))
         buf = wire.encode(x, bits, 1, 2, 0, 0)
         torch.library.opcheck(torch.ops.zerokern.wire_decode_.default, (buf, x.numel(), bits, torch.zeros(x.numel()),
                                                                          True))
@@ -235,8 +273,12 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match=rf"out has {wire.nbytes(300, 8)} elements, expected {wire.nbytes(300, 4)} "
                                          r"\(wire.nbytes\(300, 4\)\)"):
         wire_ops.encode_(x, out, 4, 0, 1, 0, 0)
-    with pytest.raises(TypeError, match="error is float16, expected float32"):
+    with pytest.raises(TypeError, match="error is float16, expected float32 or bfloat16"):
         wire_ops.encode_(x, out, 8, 0, 1, 0, 0, error=torch.empty(300, dtype=torch.float16))
+    with pytest.raises(TypeError, match="residual is float64, expected float32 or bfloat16"):
+        wire_ops.encode_(x, out, 8, 0, 1, 0, 0, residual=torch.empty(300, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"residual has 299 elements, expected 300 \(x\)"):
+        wire_ops.encode_(x, out, 8, 0, 1, 0, 0, residual=torch.empty(299))
     with pytest.raises(TypeError, match="x is int32"):
         wire_ops.encode_(x.int(), out, 8, 0, 1, 0, 0)
     with pytest.raises(ValueError, match="base"):

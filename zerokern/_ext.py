@@ -66,7 +66,7 @@ if cpu_error is None:
 
 if cpu_error is None and hasattr(torch.ops.zerokern, "wire_encode_"):  # a library built before the wire ops lacks them
     @torch.library.register_fake("zerokern::wire_encode_")
-    def _wire_encode_fake(x, out, error, bits, seed, step, stream, base, stochastic=True):
+    def _wire_encode_fake(x, out, error, bits, seed, step, stream, base, stochastic=True, residual=None):
         return None
 
     @torch.library.register_fake("zerokern::wire_decode_")

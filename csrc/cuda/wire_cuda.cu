@@ -47,6 +47,20 @@ __device__ __forceinline__ void random_pair(const WireEncode& a, int64_t e, uint
   }
 }
 
+// The residual and the error: fp32 or bf16 (bf16 rounded to nearest even, as the reference's cast).
+__device__ __forceinline__ float side_load(const void* p, DType d, int64_t i) {
+  return d == DType::kBFloat16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i])
+                               : static_cast<const float*>(p)[i];
+}
+
+__device__ __forceinline__ void side_store(void* p, DType d, int64_t i, float v) {
+  if (d == DType::kBFloat16) {
+    static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v);
+  } else {
+    static_cast<float*>(p)[i] = v;
+  }
+}
+
 __device__ __forceinline__ int32_t round_code(float x, float scale, float inv, bool divide, uint32_t r, float q) {
   const float v = divide ? __fdiv_rn(x, scale) : __fmul_rn(x, inv);
   const float t = floorf(__fadd_rn(v, __fmul_rn(static_cast<float>(r), 1.f / 65536.f)));
@@ -58,7 +72,11 @@ __global__ void __launch_bounds__(kPairs) wire_encode_kernel(const T* __restrict
   __shared__ uint32_t shared[kPairs / 32];
   const int64_t blk = blockIdx.x, i = blk * kWireBlock + 2 * threadIdx.x;
   const bool has0 = i < a.n, has1 = i + 1 < a.n;
-  const float x0 = has0 ? to_float(x[i]) : 0.f, x1 = has1 ? to_float(x[i + 1]) : 0.f;
+  float x0 = has0 ? to_float(x[i]) : 0.f, x1 = has1 ? to_float(x[i + 1]) : 0.f;
+  if (a.residual) {  // x + residual, one fp32 add (the residual is read before the error overwrites it)
+    x0 = __fadd_rn(x0, has0 ? side_load(a.residual, a.residual_dtype, i) : 0.f);
+    x1 = __fadd_rn(x1, has1 ? side_load(a.residual, a.residual_dtype, i + 1) : 0.f);
+  }
   const uint32_t top = block_max(max(__float_as_uint(x0) & 0x7FFFFFFFu, __float_as_uint(x1) & 0x7FFFFFFFu), shared);
   const bool finite = top < 0x7F800000u;
   const float q = wire_qmax(a.bits);
@@ -81,8 +99,10 @@ __global__ void __launch_bounds__(kPairs) wire_encode_kernel(const T* __restrict
     codes[i / 2] = static_cast<uint8_t>((c0 + 8) | (has1 ? (c1 + 8) << 4 : 0));
   }
   if (a.error) {
-    if (has0) a.error[i] = finite ? __fsub_rn(x0, __fmul_rn(static_cast<float>(c0), scale)) : 0.f;
-    if (has1) a.error[i + 1] = finite ? __fsub_rn(x1, __fmul_rn(static_cast<float>(c1), scale)) : 0.f;
+    const float e0 = finite ? __fsub_rn(x0, __fmul_rn(static_cast<float>(c0), scale)) : 0.f;
+    const float e1 = finite ? __fsub_rn(x1, __fmul_rn(static_cast<float>(c1), scale)) : 0.f;
+    if (has0) side_store(a.error, a.error_dtype, i, e0);
+    if (has1) side_store(a.error, a.error_dtype, i + 1, e1);
   }
 }
 

@@ -76,8 +76,9 @@ void fused_adam_lowbit_cpu_op(at::TensorList params, at::TensorList grads, at::T
 // The wire format's kernels on CPU tensors (zerokern.kernels.wire_ops validated the arguments).
 void wire_encode_cpu_op(const at::Tensor& x, const at::Tensor& out, const std::optional<at::Tensor>& error,
                         int64_t bits, int64_t seed, int64_t step, int64_t stream, int64_t base,
-                        bool stochastic) {
-  wire_encode_cpu(wire_encode_args(x, out, error, bits, seed, step, stream, base, stochastic), at::get_num_threads());
+                        bool stochastic, const std::optional<at::Tensor>& residual) {
+  wire_encode_cpu(wire_encode_args(x, out, error, bits, seed, step, stream, base, stochastic, residual),
+                  at::get_num_threads());
 }
 
 void wire_decode_cpu_op(const at::Tensor& buf, int64_t n, int64_t bits, const at::Tensor& out, bool accumulate) {

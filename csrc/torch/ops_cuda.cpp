@@ -77,8 +77,8 @@ void fused_adam_lowbit_cuda_op(at::TensorList params, at::TensorList grads, at::
 // The wire format's kernels on CUDA tensors, on the current stream (validated in Python).
 void wire_encode_cuda_op(const at::Tensor& x, const at::Tensor& out, const std::optional<at::Tensor>& error,
                          int64_t bits, int64_t seed, int64_t step, int64_t stream, int64_t base,
-                         bool stochastic) {
-  const WireEncode a = wire_encode_args(x, out, error, bits, seed, step, stream, base, stochastic);
+                         bool stochastic, const std::optional<at::Tensor>& residual) {
+  const WireEncode a = wire_encode_args(x, out, error, bits, seed, step, stream, base, stochastic, residual);
   const c10::cuda::CUDAGuard guard(x.device());
   const int err = wire_encode_cuda(a, at::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == 0, "zerokern wire_encode_ launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(err)));

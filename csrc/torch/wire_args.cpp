@@ -17,11 +17,19 @@ void check_flat(const at::Tensor& t, const char* name, at::ScalarType dtype, int
   TORCH_CHECK_VALUE(t.device() == like.device(), "wire: ", name, " is on ", t.device(), ", expected ", like.device());
 }
 
+// error and residual: fp32 or bf16, one per element of x
+void check_side(const at::Tensor& t, const char* name, int64_t numel, const at::Tensor& x) {
+  const at::ScalarType d = t.scalar_type();
+  TORCH_CHECK_VALUE(d == at::kFloat || d == at::kBFloat16, "wire: ", name, " is ", dtype_name(d),
+                    ", expected float32 or bfloat16");
+  check_flat(t, name, d, numel, x);
+}
+
 }  // namespace
 
 WireEncode wire_encode_args(const at::Tensor& x, const at::Tensor& out, const std::optional<at::Tensor>& error,
                             int64_t bits, int64_t seed, int64_t step, int64_t stream, int64_t base,
-                            bool stochastic) {
+                            bool stochastic, const std::optional<at::Tensor>& residual) {
   check_bits(bits);
   TORCH_CHECK_VALUE(is_kernel_float(x.scalar_type()) && x.is_contiguous(),
                     "wire: x must be a contiguous float32, float16 or bfloat16 tensor, is ",
@@ -30,11 +38,19 @@ WireEncode wire_encode_args(const at::Tensor& x, const at::Tensor& out, const st
   WireEncode a;
   a.n = x.numel();
   check_flat(out, "out", at::kByte, wire_bytes(a.n, static_cast<int>(bits)), x);
-  if (error.has_value()) check_flat(*error, "error", at::kFloat, a.n, x);
+  if (error.has_value()) check_side(*error, "error", a.n, x);
+  if (residual.has_value()) check_side(*residual, "residual", a.n, x);
   a.x = x.data_ptr();
   a.dtype = to_kernel_dtype(x.scalar_type());
   a.out = out.data_ptr<uint8_t>();
-  a.error = error.has_value() ? error->data_ptr<float>() : nullptr;
+  if (error.has_value()) {
+    a.error = error->data_ptr();
+    a.error_dtype = to_kernel_dtype(error->scalar_type());
+  }
+  if (residual.has_value()) {
+    a.residual = residual->data_ptr();
+    a.residual_dtype = to_kernel_dtype(residual->scalar_type());
+  }
   a.bits = static_cast<int>(bits);
   a.seed = static_cast<uint64_t>(seed);
   a.step = static_cast<uint32_t>(step);  // the counter's word 2: the step's low 32 bits, as wire.py

@@ -13,12 +13,12 @@ namespace zerokern {
 
 WireEncode wire_encode_args(const at::Tensor& x, const at::Tensor& out, const std::optional<at::Tensor>& error,
                             int64_t bits, int64_t seed, int64_t step, int64_t stream, int64_t base,
-                            bool stochastic);
+                            bool stochastic, const std::optional<at::Tensor>& residual);
 WireDecode wire_decode_args(const at::Tensor& buf, int64_t n, int64_t bits, const at::Tensor& out, bool accumulate);
 
 constexpr const char* kWireEncodeSchema =
     "wire_encode_(Tensor x, Tensor(a!) out, Tensor(b!)? error, int bits, int seed, int step, int stream, "
-    "int base, bool stochastic=True) -> ()";
+    "int base, bool stochastic=True, Tensor? residual=None) -> ()";
 constexpr const char* kWireDecodeSchema =
     "wire_decode_(Tensor buf, int n, int bits, Tensor(a!) out, bool accumulate) -> ()";
 

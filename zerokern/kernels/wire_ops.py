@@ -1,13 +1,16 @@
 """The wire format's kernels: encode a chunk for a quantized collective, decode what arrives.
 
-    encode_(x, out, bits, seed, step, stream, base, error=None, stochastic=True, backend="auto")
+    encode_(x, out, bits, seed, step, stream, base, error=None, stochastic=True, residual=None,
+            backend="auto")
     decode_(buf, n, bits, out, accumulate=False, backend="auto")
     decode_add_(buf, n, bits, out, backend="auto")
 
 encode_ writes wire.encode(x, bits, seed, step, stream, base) into `out` (uint8,
 wire.nbytes(n, bits)) (stochastic=False: rounded to nearest, seed, step and
-stream unused) and, given `error` (fp32, n), x - decode(out) with 0 in non-finite blocks
-(wire.encode_with_error). x: n float32, bfloat16 or float16 values, read as fp32. decode_ writes
+stream unused) and, given `error` (fp32 or bf16, n), x - decode(out) with 0 in non-finite blocks
+(wire.encode_with_error). x: n float32, bfloat16 or float16 values, read as fp32. Given `residual`
+(fp32 or bf16, n), what is encoded is x + residual, summed in fp32 in the same pass ([Note: error
+feedback]'s add, without a copy of x); `error` may be `residual` itself (updated in place). decode_ writes
 wire.decode(buf, n, bits) into `out` (fp32, n), or adds it (accumulate; decode_add_).
 [Note: the wire format] in wire.py defines the bytes; every backend gives them exactly.
 
@@ -25,16 +28,20 @@ from .backends.registry import BACKENDS, PREFERENCE, BackendUnavailableError
 
 _MODULES = {"cpu": "native_wire", "cuda": "native_wire", "triton": "triton_wire", "torch": "torch_wire"}
 _X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_SIDE_DTYPES = (torch.float32, torch.bfloat16)  # of an error or a residual
 _M32, _M64 = (1 << 32) - 1, (1 << 64) - 1
 
 
 def encode_(x: torch.Tensor, out: torch.Tensor, bits: int, seed: int, step: int, stream: int, base: int,
-            error: torch.Tensor = None, stochastic: bool = True, backend: str = "auto") -> None:
+            error: torch.Tensor = None, stochastic: bool = True, residual: torch.Tensor = None,
+            backend: str = "auto") -> None:
     n = _check_x(x)
     _check_bits(bits)
     _check_buffer(out, "out", torch.uint8, wire.nbytes(n, bits), x.device, f"wire.nbytes({n}, {bits})")
-    if error is not None:
-        _check_buffer(error, "error", torch.float32, n, x.device, "x")
+    for name, t in (("error", error), ("residual", residual)):
+        if t is not None:
+            _check_buffer(t, name, t.dtype if t.dtype in _SIDE_DTYPES else torch.float32, n, x.device, "x",
+                          "float32 or bfloat16")
     seed, stream, base = int(seed), int(stream), int(base)
     if not 0 <= seed <= _M64:
         raise ValueError(f"seed must be in [0, 2**64), got {seed}")
@@ -44,7 +51,7 @@ def encode_(x: torch.Tensor, out: torch.Tensor, bits: int, seed: int, step: int,
         raise ValueError(f"base (the global index of x[0]) must be >= 0 and base + n < 2**63, got {base}")
     step = int(step) & _M32  # the Philox counter holds the step's low 32 bits (lowbit.random16)
     module = _backend(backend, x.device)
-    module.encode_(x, out, bits, seed, step, stream, base, error, bool(stochastic))
+    module.encode_(x, out, bits, seed, step, stream, base, error, bool(stochastic), residual)
 
 
 def decode_(buf: torch.Tensor, n: int, bits: int, out: torch.Tensor, accumulate: bool = False,
@@ -107,11 +114,11 @@ def _check_x(x):
     return x.numel()
 
 
-def _check_buffer(t, name, dtype, numel, device, what):
+def _check_buffer(t, name, dtype, numel, device, what, dtypes=None):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} is {type(t).__name__}, expected a tensor")
     if t.dtype != dtype:
-        raise TypeError(f"{name} is {dtype_name(t.dtype)}, expected {dtype_name(dtype)}")
+        raise TypeError(f"{name} is {dtype_name(t.dtype)}, expected {dtypes or dtype_name(dtype)}")
     if t.device != device:
         raise ValueError(f"{name} is on {t.device}, expected {device}")
     if not t.is_contiguous():

@@ -11,7 +11,10 @@
 //           nearest, floor(v + 0.5)); 0 in a block whose scale is 0 or NaN
 //   bytes   all the chunk's scales (fp32, 4 bytes each, not necessarily 4-aligned), then its codes:
 //           int8 one byte each; int4 code + 8, two to a byte, the even element in the low nibble
-//   error   (optional) x - code * scale, 0 in a block whose scale is NaN
+//   error   (optional) x - code * scale, 0 in a block whose scale is NaN, stored as fp32 or bf16
+// x may come with a residual (fp32 or bf16, n): the chunk encoded is then x + residual, summed in
+// fp32 ([Note: error feedback] adds last round's loss in the same pass as the encode, not in a copy
+// of the bucket). error may be the residual itself: each block reads it before it writes it.
 // Decoding: code * scale, written or added to fp32 out.
 #pragma once
 
@@ -32,7 +35,10 @@ struct WireEncode {
   DType dtype = DType::kFloat32;
   int64_t n = 0;
   uint8_t* out = nullptr;  // wire_bytes(n, bits)
-  float* error = nullptr;  // n fp32, or null: not wanted
+  void* error = nullptr;  // n values of error_dtype (fp32 or bf16), or null: not wanted
+  DType error_dtype = DType::kFloat32;
+  const void* residual = nullptr;  // n values of residual_dtype (fp32 or bf16) added to x, or null
+  DType residual_dtype = DType::kFloat32;
   int bits = 8;
   uint64_t seed = 0;
   uint32_t step = 0;

@@ -5,10 +5,10 @@ wire_ops validated the arguments."""
 import torch
 
 
-def encode_(x, out, bits, seed, step, stream, base, error, stochastic=True):
+def encode_(x, out, bits, seed, step, stream, base, error, stochastic=True, residual=None):
     # the op's seed is an int64: the same 64 bits
     torch.ops.zerokern.wire_encode_(x, out, error, bits, seed - (1 << 64) if seed >= 1 << 63 else seed, step,
-                                    stream, base, stochastic)
+                                    stream, base, stochastic, residual)
 
 
 def decode_(buf, n, bits, out, accumulate):

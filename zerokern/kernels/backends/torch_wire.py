@@ -7,8 +7,10 @@ import torch
 from .. import wire
 
 
-def encode_(x, out, bits, seed, step, stream, base, error, stochastic=True):
+def encode_(x, out, bits, seed, step, stream, base, error, stochastic=True, residual=None):
     with torch.no_grad():
+        if residual is not None:  # one fp32 add, read before `error` (which may be `residual`) is written
+            x = x.reshape(-1).float() + residual.reshape(-1).float()
         if error is None:
             out.view(-1).copy_(wire.encode(x, bits, seed, step, stream, base, stochastic))
         else:

@@ -32,6 +32,18 @@ def _load_f32(ptr, offs, mask, X_BF16: tl.constexpr):
 
 
 @triton.jit
+def _store_side(ptr, offs, v, mask, BF16: tl.constexpr):
+    """An error as fp32, or as bf16 rounded to nearest even by its bits (as the reference's cast; the
+    values are finite)."""
+    if BF16:
+        w = v.to(tl.uint32, bitcast=True)
+        h = (w + 0x7FFF + ((w >> 16) & 1)) >> 16
+        tl.store(ptr + offs, h.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+    else:
+        tl.store(ptr + offs, v, mask=mask)
+
+
+@triton.jit
 def _codes(x, mask, ok, safe, inv, big, seed, step, stream, index, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr):
     """int32 codes of one half block ([Note: the wire format]); 0 where the block is not ok."""
     v = tl.where(big, tl.div_rn(x, safe), x * inv)
@@ -44,9 +56,9 @@ def _codes(x, mask, ok, safe, inv, big, seed, step, stream, index, QMAX: tl.cons
 
 
 @triton.jit
-def _encode_kernel(x_ptr, out_ptr, err_ptr, n, nb, seed, step, stream, base,
+def _encode_kernel(x_ptr, out_ptr, err_ptr, res_ptr, n, nb, seed, step, stream, base,
                    BITS: tl.constexpr, HAS_ERR: tl.constexpr, X_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
-                   BLOCK: tl.constexpr):
+                   HAS_RES: tl.constexpr, RES_BF16: tl.constexpr, ERR_BF16: tl.constexpr, BLOCK: tl.constexpr):
     QMAX: tl.constexpr = 127.0 if BITS == 8 else 7.0
     HALF: tl.constexpr = BLOCK // 2
     blk = tl.program_id(0).to(tl.int64)
@@ -55,6 +67,9 @@ def _encode_kernel(x_ptr, out_ptr, err_ptr, n, nb, seed, step, stream, base,
     me, mo = even < n, odd < n
     xe = _load_f32(x_ptr, even, me, X_BF16)
     xo = _load_f32(x_ptr, odd, mo, X_BF16)
+    if HAS_RES:  # x + residual, read before the error (which may be the residual) is written
+        xe = xe + _load_f32(res_ptr, even, me, RES_BF16)
+        xo = xo + _load_f32(res_ptr, odd, mo, RES_BF16)
     # absmax as the largest |x| bit pattern (integer order is float order; a NaN is above inf)
     top = tl.maximum(tl.max(xe.to(tl.uint32, bitcast=True) & 0x7FFFFFFF, axis=0),
                      tl.max(xo.to(tl.uint32, bitcast=True) & 0x7FFFFFFF, axis=0))
@@ -80,8 +95,8 @@ def _encode_kernel(x_ptr, out_ptr, err_ptr, n, nb, seed, step, stream, base,
     if HAS_ERR:
         ee = tl.where(finite, xe - ce.to(tl.float32) * scale, 0.0)
         eo = tl.where(finite, xo - co.to(tl.float32) * scale, 0.0)
-        tl.store(err_ptr + even, ee, mask=me)
-        tl.store(err_ptr + odd, eo, mask=mo)
+        _store_side(err_ptr, even, ee, me, ERR_BF16)
+        _store_side(err_ptr, odd, eo, mo, ERR_BF16)
 
 
 @triton.jit
@@ -114,16 +129,18 @@ def _decode_kernel(buf_ptr, out_ptr, n, nb, BITS: tl.constexpr, ACCUMULATE: tl.c
     tl.store(out_ptr + odd, yo, mask=mo)
 
 
-def encode_(x, out, bits, seed, step, stream, base, error, stochastic=True):
+def encode_(x, out, bits, seed, step, stream, base, error, stochastic=True, residual=None):
     n = x.numel()
     if n == 0:
         return
     nb = wire.num_blocks(n)
+    bf16 = lambda t: t is not None and t.dtype == torch.bfloat16  # noqa: E731
     with triton_common.device_guard(x.device):
-        _encode_kernel[(nb,)](x, out, error if error is not None else out, n, nb,
-                              seed - 2**64 if seed >= 2**63 else seed, step, wire.STREAM_WIRE + stream, base,
-                              BITS=bits, HAS_ERR=error is not None, X_BF16=x.dtype == torch.bfloat16,
-                              STOCHASTIC=bool(stochastic), BLOCK=BLOCK, **OPTIONS)
+        _encode_kernel[(nb,)](x, out, error if error is not None else out, residual if residual is not None else x,
+                              n, nb, seed - 2**64 if seed >= 2**63 else seed, step, wire.STREAM_WIRE + stream, base,
+                              BITS=bits, HAS_ERR=error is not None, X_BF16=bf16(x), STOCHASTIC=bool(stochastic),
+                              HAS_RES=residual is not None, RES_BF16=bf16(residual), ERR_BF16=bf16(error),
+                              BLOCK=BLOCK, **OPTIONS)
 
 
 def decode_(buf, n, bits, out, accumulate):

@@ -134,3 +134,35 @@ def constant_grads(rank, world, cases, steps=30, n=1000):
         dist.all_reduce(half_step)
         out[(stage, accum, feedback)] = {"drift": w.detach() + steps * mean / world, "half_step": half_step / world}
     return out
+
+
+def odd_sizes(rank, world, bits, n=3001, m=333):
+    """comm/wire.py's collectives on sizes whose encoded bytes are not a multiple of 4 (the buffers'
+    chunks are padded to 4: wire.stride): the 2-rank all-reduce and the reduce-scatter against the
+    sums of wire.py's decoded bytes, in rank order (the own chunk exact); the all-reduce on more
+    ranks: the same on every rank, within the rounding of the sum."""
+    from zerokern.kernels import wire
+    from zerokern.zero.comm import wire as comm_wire
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(n, generator=g), torch.randn(world * m, generator=g)
+    xs, ys = [torch.empty_like(x) for _ in range(world)], [torch.empty_like(y) for _ in range(world)]
+    dist.all_gather(xs, x)
+    dist.all_gather(ys, y)
+    rt = lambda t: wire.decode(wire.encode(t, bits, 0, 0, 0, 0, stochastic=False), t.numel(), bits)  # noqa: E731
+    out = {}
+    got = torch.empty(m)
+    comm_wire.reduce_scatter(got, y, None, rank, world, comm_wire.GradWire(f"int{bits}", "rs", rank)).wait()
+    want = torch.zeros(m)
+    for r in range(world):
+        part = ys[r][rank * m:(rank + 1) * m]
+        want += part if r == rank else rt(part)
+    out["reduce_scatter"] = torch.equal(got, want)
+    t = x.clone()
+    comm_wire.all_reduce(t, None, rank, world, comm_wire.GradWire(f"int{bits}", "ar", rank)).wait()
+    if world == 2:
+        out["all_reduce"] = torch.equal(t, rt(xs[0]) + rt(xs[1]))
+    else:
+        exact = sum(xs)
+        step = sum(wire.scales_of(v, bits).repeat_interleave(wire.BLOCK)[:n] for v in xs)
+        out["all_reduce"] = bool(((t - exact).abs() <= 2 * step).all()) and _same_on_every_rank(t)
+    return out

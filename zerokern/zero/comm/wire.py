@@ -22,7 +22,10 @@ size of what it quantizes: the whole bucket in a flat group; its shard with hybr
 where only the replica all-reduce is quantized) and, on more than 2 ranks of an all-reduce, one
 for its chunk of the sum. Residuals are kept in bf16 (they are below one quantization step, so
 bf16's 8 bits of mantissa lose nothing that matters; fp32 ones measured no better,
-docs/measured.md) and counted by memory_report() as "error_feedback". A round's residual is
+docs/measured.md) and counted by memory_report() as "error_feedback". The encode kernel adds the
+residual to the bucket's values and writes the new one (bf16) in its one pass over the bucket: the
+bucket is not copied to fp32 first (that copy and add took 12 of 14 ms per 3.45M values on this
+machine's CPU: `python bench/wire_collectives.py`, docs/measured.md). A round's residual is
 pending until step(): it becomes the one the next round adds when the step updates, and is
 dropped when the step is skipped (an inf/nan on some rank) or the grads are zeroed without a
 step, so a skipped step loses nothing, the residual it consumed included. A second reduction of
@@ -79,12 +82,14 @@ class Residual:
             raise RuntimeError(f"zerokern internal error: a residual of {r.numel()} elements for {numel}")
         return r
 
-    def keep(self, error: Optional[torch.Tensor]) -> None:
-        if error is None:
-            return
+    def out(self, numel: int, device) -> torch.Tensor:
+        """Where this reduction's error is written: the pending residual (after take(), which may
+        have returned it: the encode reads each block of it before writing that block)."""
         if self.pending is None or self.pending is self.committed:
-            self.pending = torch.empty(error.numel(), dtype=RESIDUAL_DTYPE, device=error.device)
-        self.pending.copy_(error)
+            self.pending = torch.empty(numel, dtype=RESIDUAL_DTYPE, device=device)
+        elif self.pending.numel() != numel:
+            raise RuntimeError(f"zerokern internal error: a residual of {self.pending.numel()} elements for {numel}")
+        return self.pending
 
     def settle(self, updated: bool) -> None:
         if updated and self.pending is not None:
@@ -134,17 +139,34 @@ class GradWire:
 
     # --- encoding --------------------------------------------------------------
 
-    def encode(self, x: torch.Tensor, out: torch.Tensor, stream: int, offset: int, error: Optional[torch.Tensor]):
-        from ...kernels import wire_ops
-        wire_ops.encode_(x, out, self.bits, self.seed, self.count, stream, self.base + offset, error=error,
-                         stochastic=self.stochastic)
+    def sides(self, res: Residual, numel: int, device):
+        """(what to add to this reduction's input, where to write what it loses) for `res`; None
+        for either where there is nothing: the encode adds the one and writes the other in its own
+        pass over the input ([Note: error feedback]), so the input is never copied to add them."""
+        if not self.feedback:
+            return None, None
+        carried = res.take(numel, device, self.replaces)  # before out(), which may replace the pending one
+        return carried, res.out(numel, device)
 
-    def with_residual(self, x: torch.Tensor, res: Residual) -> torch.Tensor:
-        """fp32 x plus what `res` carries (a new tensor: x is the caller's)."""
-        out = x.reshape(-1).to(torch.float32, copy=True)
-        r = res.take(out.numel(), out.device, self.replaces) if self.feedback else None
-        if r is not None:
-            out.add_(r)
+    def encode(self, x: torch.Tensor, out: torch.Tensor, stream: int, offset: int, sides, lo: int, hi: int):
+        """x[lo:hi] plus its residual into `out`, its error into the error buffer's [lo:hi] (sides:
+        from sides() over x)."""
+        from ...kernels import wire_ops
+        carried, error = sides
+        wire_ops.encode_(x[lo:hi], out, self.bits, self.seed, self.count, stream, self.base + offset,
+                         error=None if error is None else error[lo:hi],
+                         residual=None if carried is None else carried[lo:hi], stochastic=self.stochastic)
+
+    @staticmethod
+    def own(x: torch.Tensor, sides, lo: int, hi: int) -> torch.Tensor:
+        """x[lo:hi] plus its residual in fp32 (a copy): the chunk a rank sums without sending it, so
+        it loses nothing (its error is 0; the residual may have carried something from a checkpoint)."""
+        carried, error = sides
+        out = x[lo:hi].to(torch.float32, copy=True)
+        if carried is not None:
+            out.add_(carried[lo:hi])
+        if error is not None:
+            error[lo:hi].zero_()  # after the read above: it may be the same tensor
         return out
 
 
@@ -195,26 +217,26 @@ def _decode_sum(recv, w: GradWire, chunk_bytes: int, n: int, world: int, rank: i
         if r == rank:
             acc.add_(own)
         else:
-            wire_ops.decode_add_(recv[r * chunk_bytes:(r + 1) * chunk_bytes], n, w.bits, acc)
+            wire_ops.decode_add_(recv[r * chunk_bytes:r * chunk_bytes + wire.nbytes(n, w.bits)], n, w.bits, acc)
     return acc
 
 
 def reduce_scatter(output, input, group, rank: int, world: int, w: GradWire):
     """Launch the quantized SUM reduce-scatter of `input` (world x output.numel()) into `output`
-    on `group` ([Note: quantized reductions]); returns a Work that writes `output` when waited."""
+    on `group` ([Note: quantized reductions]); returns a Work that writes `output` when waited.
+    `input` is read before this returns."""
     n = output.numel()
-    x = w.with_residual(input, w.sent)
+    x = input.reshape(-1).contiguous()
+    sides = w.sides(w.sent, x.numel(), x.device)
     chunk = stride(n, w.bits)
     send = torch.empty(world * chunk, dtype=torch.uint8, device=x.device)
-    error = torch.zeros_like(x)
     for r in range(world):
         if r != rank:
-            w.encode(x[r * n:(r + 1) * n], send[r * chunk:(r + 1) * chunk], 0, r * n, error[r * n:(r + 1) * n])
-    w.sent.keep(error if w.feedback else None)
+            w.encode(x, send[r * chunk:r * chunk + wire.nbytes(n, w.bits)], 0, r * n, sides, r * n, (r + 1) * n)
+    own = w.own(x, sides, rank * n, (rank + 1) * n)
     w.count += 1
     recv = torch.empty_like(send)
     work = dist.all_to_all_single(recv, send, group=group, async_op=True)
-    own = x[rank * n:(rank + 1) * n]
 
     def finish():
         output.copy_(_decode_sum(recv, w, chunk, n, world, rank, own))
@@ -227,13 +249,12 @@ def all_reduce(tensor, group, rank: int, world: int, w: GradWire):
     before returning (the caller must say it blocks: comm/check.py never plans it)."""
     from ...kernels import wire_ops
     n = tensor.numel()
-    x = w.with_residual(tensor, w.sent)
+    x = tensor.reshape(-1).contiguous()
+    sides = w.sides(w.sent, n, x.device)
     if world == 2:
         size = stride(n, w.bits)
         mine = torch.empty(size, dtype=torch.uint8, device=x.device)
-        error = torch.empty_like(x)
-        w.encode(x, mine, 0, 0, error)
-        w.sent.keep(error if w.feedback else None)
+        w.encode(x, mine[:wire.nbytes(n, w.bits)], 0, 0, sides, 0, n)
         w.count += 1
         both = torch.empty(2 * size, dtype=torch.uint8, device=x.device)
         work = _all_gather(both, mine, group=group, async_op=True)
@@ -241,33 +262,30 @@ def all_reduce(tensor, group, rank: int, world: int, w: GradWire):
         def finish():
             acc = torch.zeros(n, dtype=torch.float32, device=x.device)
             for r in range(2):
-                wire_ops.decode_add_(both[r * size:(r + 1) * size], n, w.bits, acc)
+                wire_ops.decode_add_(both[r * size:r * size + wire.nbytes(n, w.bits)], n, w.bits, acc)
             tensor.copy_(acc.view_as(tensor))
         return Finish(work, finish)
     c = -(-n // world)  # chunk r: [r c, min(n, (r + 1) c)); the last ones may be short or empty
     bounds = [(min(n, r * c), min(n, (r + 1) * c)) for r in range(world)]
     chunk = stride(c, w.bits)
     send = torch.zeros(world * chunk, dtype=torch.uint8, device=x.device)
-    error = torch.zeros_like(x)
     for r, (a, b) in enumerate(bounds):
         if r != rank and b > a:
-            w.encode(x[a:b], send[r * chunk:r * chunk + wire.nbytes(b - a, w.bits)], 0, a, error[a:b])
-    w.sent.keep(error if w.feedback else None)
+            w.encode(x, send[r * chunk:r * chunk + wire.nbytes(b - a, w.bits)], 0, a, sides, a, b)
+    a, b = bounds[rank]
+    own = w.own(x, sides, a, b)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
-    a, b = bounds[rank]
     acc = torch.zeros(b - a, dtype=torch.float32, device=x.device)
-    for r in range(world):
+    for r in range(world):  # in rank order ([Note: quantized reductions])
         if r == rank:
-            acc.add_(x[a:b])
+            acc.add_(own)
         elif b > a:
             wire_ops.decode_add_(recv[r * chunk:r * chunk + wire.nbytes(b - a, w.bits)], b - a, w.bits, acc)
-    summed = w.with_residual(acc, w.summed) if b > a else acc
+    summed = w.sides(w.summed, b - a, x.device)
     mine = torch.zeros(chunk, dtype=torch.uint8, device=x.device)
-    error = torch.zeros_like(summed)
     if b > a:
-        w.encode(summed, mine[:wire.nbytes(b - a, w.bits)], 1, a, error)
-    w.summed.keep(error if w.feedback else None)
+        w.encode(acc, mine[:wire.nbytes(b - a, w.bits)], 1, a, summed, 0, b - a)
     w.count += 1
     gathered = torch.empty(world * chunk, dtype=torch.uint8, device=x.device)
     _all_gather(gathered, mine, group=group)

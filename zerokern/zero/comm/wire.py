@@ -24,8 +24,9 @@ for its chunk of the sum. Residuals are kept in bf16 (they are below one quantiz
 bf16's 8 bits of mantissa lose nothing that matters; fp32 ones measured no better,
 docs/measured.md) and counted by memory_report() as "error_feedback". The encode kernel adds the
 residual to the bucket's values and writes the new one (bf16) in its one pass over the bucket: the
-bucket is not copied to fp32 first (that copy and add took 12 of 14 ms per 3.45M values on this
-machine's CPU: `python bench/wire_collectives.py`, docs/measured.md). A round's residual is
+bucket is not copied to fp32 first (for 3.45M values on one CPU thread here, that copy and add
+took 12 ms and the encode 2 ms; `python bench/wire_collectives.py` times the collectives, in
+docs/measured.md). A round's residual is
 pending until step(): it becomes the one the next round adds when the step updates, and is
 dropped when the step is skipped (an inf/nan on some rank) or the grads are zeroed without a
 step, so a skipped step loses nothing, the residual it consumed included. A second reduction of

@@ -263,6 +263,25 @@ def test_a_tiny_block_is_quantized_like_any_other():
         assert y[4] == 0
 
 
+@pytest.mark.parametrize("backend", ALL)
+@pytest.mark.parametrize("bits", BITS)
+def test_a_block_whose_scale_underflows_to_zero_sends_zeros(backend, bits):
+    """absmax a subnormal under QMAX x 2^-149: absmax / QMAX rounds to 0, so the block has scale 0
+    and codes 0, as a block of zeros ([Note: the wire format]), and its error is x. The kernels
+    asked top != 0 instead of scale > 0 and divided by that 0: codes from 0 / 0 (an undefined cast)
+    and +-inf."""
+    x = torch.zeros(3 * wire.BLOCK)
+    x[wire.BLOCK + 3], x[wire.BLOCK + 9] = 1e-45, -2.8e-45  # block 1; blocks 0 and 2 ordinary
+    x[:wire.BLOCK] = torch.randn(wire.BLOCK, generator=torch.Generator().manual_seed(6))
+    x[2 * wire.BLOCK + 1] = 1e-45 * 2**10
+    for stochastic in (True, False):
+        ref, ref_err = wire.encode_with_error(x, bits, *KEY, stochastic=stochastic)
+        assert float(ref[4:8].view(torch.float32)) == 0.0
+        out, err = encode(x, bits, KEY, backend, stochastic=stochastic)
+        assert torch.equal(out, ref), f"bytes differ at {(out != ref).nonzero().flatten()[:8].tolist()}"
+        assert torch.equal(bits_of(err), bits_of(ref_err))
+
+
 # --- errors name the culprit -----------------------------------------------------------------
 
 def test_bad_arguments_are_named():

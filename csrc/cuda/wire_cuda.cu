@@ -83,7 +83,7 @@ __global__ void __launch_bounds__(kPairs) wire_encode_kernel(const T* __restrict
   const float scale = finite ? __fdiv_rn(__uint_as_float(top), q) : __uint_as_float(0x7FC00000u);
   if (threadIdx.x < 4) a.out[4 * blk + threadIdx.x] = static_cast<uint8_t>(__float_as_uint(scale) >> (8 * threadIdx.x));
   int32_t c0 = 0, c1 = 0;
-  if (finite && top != 0) {
+  if (finite && scale > 0.f) {  // not top != 0: a subnormal absmax under qmax x 2^-149 gives scale 0
     const float inv = __fdiv_rn(1.f, scale);
     const bool divide = isinf(inv);  // scale < 2^-128 ([Note: the wire format])
     uint32_t r0 = kWireNearest, r1 = kWireNearest;

@@ -79,7 +79,7 @@ def _encode_kernel(x_ptr, out_ptr, err_ptr, res_ptr, n, nb, seed, step, stream, 
     scale = scale_bits.to(tl.float32, bitcast=True)
     for k in tl.static_range(4):
         tl.store(out_ptr + 4 * blk + k, ((scale_bits >> (8 * k)) & 0xFF).to(tl.uint8))
-    ok = finite & (top != 0)
+    ok = finite & (scale > 0.0)  # not top != 0: a subnormal absmax under QMAX x 2^-149 gives scale 0
     safe = tl.where(ok, scale, 1.0)
     inv = tl.div_rn(1.0, safe)
     big = inv == float("inf")  # scale < 2^-128: divide instead

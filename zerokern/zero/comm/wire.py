@@ -210,16 +210,35 @@ class Finish:
         return False
 
 
-def _decode_sum(recv, w: GradWire, chunk_bytes: int, n: int, world: int, rank: int, own) -> torch.Tensor:
-    """fp32 sum, in rank order, of the `world` chunks in recv (rank's own: `own`, exact)."""
+def _fp32_view(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """t flat, if a sum can be decoded straight into it (fp32, contiguous), else None."""
+    return t.view(-1) if t.dtype == torch.float32 and t.is_contiguous() else None
+
+
+def _decode_sum(recv, w: GradWire, chunk_bytes: int, n: int, world: int, rank: int, own,
+                into: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """fp32 sum, in rank order, of the `world` chunks in recv (rank's own: `own`, exact), written
+    into `into` (fp32, n) if given. [Note: the first term of a sum]"""
     from ...kernels import wire_ops
-    acc = torch.zeros(n, dtype=torch.float32, device=recv.device)
+    acc = torch.empty(n, dtype=torch.float32, device=recv.device) if into is None else into
     for r in range(world):
         if r == rank:
-            acc.add_(own)
+            if r == 0:
+                torch.add(own, 0.0, out=acc)
+            else:
+                acc.add_(own)
         else:
-            wire_ops.decode_add_(recv[r * chunk_bytes:r * chunk_bytes + wire.nbytes(n, w.bits)], n, w.bits, acc)
+            wire_ops.decode_(recv[r * chunk_bytes:r * chunk_bytes + wire.nbytes(n, w.bits)], n, w.bits, acc,
+                             accumulate=r > 0)
     return acc
+
+
+# [Note: the first term of a sum] A sum is taken from zero in rank order, but its first term is
+# written, not added to a tensor of zeros, and the sum goes straight into the caller's fp32 tensor,
+# not into a new one then copied: that saves three passes over the values. The bits are those of
+# 0 + term + ...: 0 + y is y for every y but -0.0, and a decoded value is never -0.0 (a block's
+# codes are 0 where its scale is 0, and a non-zero code times a positive scale does not underflow);
+# a rank's own term may be, so it is added to 0 (own + 0.0, the same sum).
 
 
 def reduce_scatter(output, input, group, rank: int, world: int, w: GradWire):
@@ -240,7 +259,10 @@ def reduce_scatter(output, input, group, rank: int, world: int, w: GradWire):
     work = dist.all_to_all_single(recv, send, group=group, async_op=True)
 
     def finish():
-        output.copy_(_decode_sum(recv, w, chunk, n, world, rank, own))
+        into = _fp32_view(output)
+        acc = _decode_sum(recv, w, chunk, n, world, rank, own, into)
+        if into is None:
+            output.copy_(acc.view_as(output))
     return Finish(work, finish)
 
 
@@ -260,11 +282,13 @@ def all_reduce(tensor, group, rank: int, world: int, w: GradWire):
         both = torch.empty(2 * size, dtype=torch.uint8, device=x.device)
         work = _all_gather(both, mine, group=group, async_op=True)
 
-        def finish():
-            acc = torch.zeros(n, dtype=torch.float32, device=x.device)
+        def finish():  # [Note: the first term of a sum]
+            into = _fp32_view(tensor)
+            acc = torch.empty(n, dtype=torch.float32, device=x.device) if into is None else into
             for r in range(2):
-                wire_ops.decode_add_(both[r * size:r * size + wire.nbytes(n, w.bits)], n, w.bits, acc)
-            tensor.copy_(acc.view_as(tensor))
+                wire_ops.decode_(both[r * size:r * size + wire.nbytes(n, w.bits)], n, w.bits, acc, accumulate=r > 0)
+            if into is None:
+                tensor.copy_(acc.view_as(tensor))
         return Finish(work, finish)
     c = -(-n // world)  # chunk r: [r c, min(n, (r + 1) c)); the last ones may be short or empty
     bounds = [(min(n, r * c), min(n, (r + 1) * c)) for r in range(world)]
@@ -277,12 +301,7 @@ def all_reduce(tensor, group, rank: int, world: int, w: GradWire):
     own = w.own(x, sides, a, b)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
-    acc = torch.zeros(b - a, dtype=torch.float32, device=x.device)
-    for r in range(world):  # in rank order ([Note: quantized reductions])
-        if r == rank:
-            acc.add_(own)
-        elif b > a:
-            wire_ops.decode_add_(recv[r * chunk:r * chunk + wire.nbytes(b - a, w.bits)], b - a, w.bits, acc)
+    acc = _decode_sum(recv, w, chunk, b - a, world, rank, own)  # in rank order ([Note: quantized reductions])
     summed = w.sides(w.summed, b - a, x.device)
     mine = torch.zeros(chunk, dtype=torch.uint8, device=x.device)
     if b > a:
@@ -290,11 +309,12 @@ def all_reduce(tensor, group, rank: int, world: int, w: GradWire):
     w.count += 1
     gathered = torch.empty(world * chunk, dtype=torch.uint8, device=x.device)
     _all_gather(gathered, mine, group=group)
-    flat = tensor.view(-1)
+    flat, into = tensor.view(-1), _fp32_view(tensor)
     for r, (lo, hi) in enumerate(bounds):
-        if hi > lo:
-            out = torch.zeros(hi - lo, dtype=torch.float32, device=x.device)
-            wire_ops.decode_add_(gathered[r * chunk:r * chunk + wire.nbytes(hi - lo, w.bits)], hi - lo, w.bits, out)
-            flat[lo:hi].copy_(out)
+        if hi > lo:  # [Note: the first term of a sum]: one term
+            out = torch.empty(hi - lo, dtype=torch.float32, device=x.device) if into is None else into[lo:hi]
+            wire_ops.decode_(gathered[r * chunk:r * chunk + wire.nbytes(hi - lo, w.bits)], hi - lo, w.bits, out)
+            if into is None:
+                flat[lo:hi].copy_(out)
     from .works import _Done
     return _Done()

@@ -106,3 +106,13 @@ def test_collectives_on_chunks_of_any_length(world):
     for bits in (8, 4):
         for r in dist_harness.values(dist_harness.run(W.odd_sizes, world, bits, timeout=120)):
             assert r == {"reduce_scatter": True, "all_reduce": True}, (bits, r)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_carried_residual_is_added_and_replaced_bit_for_bit(world):
+    """[Note: error feedback] through the collectives, against wire.py by hand: the residual is
+    added inside the encode (and to the own chunk, which a checkpoint may have made non-zero), and
+    the new one is what the encode lost."""
+    for bits in (8, 4):
+        for r in dist_harness.values(dist_harness.run(W.carried_residuals, world, bits, timeout=120)):
+            assert all(r.values()) and len(r) == (4 if world == 2 else 2), (bits, r)

@@ -215,6 +215,7 @@ def test_opcheck():
         res = torch.randn(x.numel()).bfloat16()
         torch.library.opcheck(torch.ops.zerokern.wire_encode_.default,
                               (x, out, torch.empty(x.numel(), dtype=torch.bfloat16), bits, 3, 1, 0, 5, False, res))
+        torch.library.opcheck(torch.ops.zerokern.wire_encode_.default, (x, out, res, bits, 3, 1, 0, 5, False, res))
         buf = wire.encode(x, bits, 1, 2, 0, 0)
         torch.library.opcheck(torch.ops.zerokern.wire_decode_.default, (buf, x.numel(), bits, torch.zeros(x.numel()),
                                                                          True))
@@ -298,6 +299,11 @@ def test_bad_arguments_are_named():
         wire_ops.encode_(x, out, 8, 0, 1, 0, 0, residual=torch.empty(300, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"residual has 299 elements, expected 300 \(x\)"):
         wire_ops.encode_(x, out, 8, 0, 1, 0, 0, residual=torch.empty(299))
+    both = torch.zeros(301)
+    with pytest.raises(ValueError, match="error overlaps residual without being it"):
+        wire_ops.encode_(x, out, 8, 0, 1, 0, 0, error=both[1:], residual=both[:300])
+    with pytest.raises(ValueError, match="error overlaps x"):
+        wire_ops.encode_(x, out, 8, 0, 1, 0, 0, error=x)
     with pytest.raises(TypeError, match="x is int32"):
         wire_ops.encode_(x.int(), out, 8, 0, 1, 0, 0)
     with pytest.raises(ValueError, match="base"):

@@ -166,3 +166,45 @@ def odd_sizes(rank, world, bits, n=3001, m=333):
         step = sum(wire.scales_of(v, bits).repeat_interleave(wire.BLOCK)[:n] for v in xs)
         out["all_reduce"] = bool(((t - exact).abs() <= 2 * step).all()) and _same_on_every_rank(t)
     return out
+
+
+def carried_residuals(rank, world, bits, m=320):
+    """A reduction that carries a residual (as a checkpoint restores one: non-zero on the rank's own
+    chunk too), against wire.py by hand: each peer's chunk is the decoded bytes of grads + residual
+    (one fp32 add), the own chunk is grads + residual exact, summed in rank order; the new residual
+    is what the encode lost, in bf16, 0 on the own chunk. Reduce-scatter on any world; on 2 ranks
+    the all-reduce too (every term decoded)."""
+    from zerokern.kernels import wire
+    from zerokern.zero.comm import wire as comm_wire
+    g = torch.Generator().manual_seed(20 + rank)
+    y = torch.randn(world * m, generator=g)
+    res = (torch.randn(world * m, generator=g) * 0.05).bfloat16()
+    ys, rs = [torch.empty_like(y) for _ in range(world)], [torch.empty_like(res.float()) for _ in range(world)]
+    dist.all_gather(ys, y)
+    dist.all_gather(rs, res.float())
+
+    def rt(t):  # (decoded, error) of t at round to nearest, as the encode with feedback does
+        buf, err = wire.encode_with_error(t, bits, 0, 0, 0, 0, stochastic=False)
+        return wire.decode(buf, t.numel(), bits), err
+
+    out = {}
+    w = comm_wire.GradWire(f"int{bits}", "rs", rank)
+    w.sent.committed = res.clone()
+    got = torch.empty(m)
+    comm_wire.reduce_scatter(got, y.clone(), None, rank, world, w).wait()
+    want = torch.zeros(m)
+    for r in range(world):
+        part = ys[r][rank * m:(rank + 1) * m] + rs[r][rank * m:(rank + 1) * m]
+        want += part if r == rank else rt(part)[0]
+    mine = y + res.float()
+    err = torch.cat([torch.zeros(m) if r == rank else rt(mine[r * m:(r + 1) * m])[1] for r in range(world)])
+    out["reduce_scatter"] = torch.equal(got, want)
+    out["reduce_scatter residual"] = torch.equal(w.sent.pending, err.bfloat16())
+    if world == 2:
+        w = comm_wire.GradWire(f"int{bits}", "ar", rank)
+        w.sent.committed = res.clone()
+        t = y.clone()
+        comm_wire.all_reduce(t, None, rank, world, w).wait()
+        out["all_reduce"] = torch.equal(t, rt(ys[0] + rs[0])[0] + rt(ys[1] + rs[1])[0])
+        out["all_reduce residual"] = torch.equal(w.sent.pending, rt(mine)[1].bfloat16())
+    return out

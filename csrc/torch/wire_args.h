@@ -18,7 +18,7 @@ WireDecode wire_decode_args(const at::Tensor& buf, int64_t n, int64_t bits, cons
 
 constexpr const char* kWireEncodeSchema =
     "wire_encode_(Tensor x, Tensor(a!) out, Tensor(b!)? error, int bits, int seed, int step, int stream, "
-    "int base, bool stochastic=True, Tensor? residual=None) -> ()";
+    "int base, bool stochastic=True, Tensor(b)? residual=None) -> ()";
 constexpr const char* kWireDecodeSchema =
     "wire_decode_(Tensor buf, int n, int bits, Tensor(a!) out, bool accumulate) -> ()";
 

@@ -42,6 +42,12 @@ def encode_(x: torch.Tensor, out: torch.Tensor, bits: int, seed: int, step: int,
         if t is not None:
             _check_buffer(t, name, t.dtype if t.dtype in _SIDE_DTYPES else torch.float32, n, x.device, "x",
                           "float32 or bfloat16")
+    if error is not None and _overlap(error, x):
+        raise ValueError("error overlaps x: the encode reads x while it writes error")
+    if error is not None and residual is not None and _overlap(error, residual) and not (
+            error.data_ptr() == residual.data_ptr() and error.dtype == residual.dtype):
+        raise ValueError("error overlaps residual without being it: pass the same tensor for both (updated in "
+                         "place) or two apart")
     seed, stream, base = int(seed), int(stream), int(base)
     if not 0 <= seed <= _M64:
         raise ValueError(f"seed must be in [0, 2**64), got {seed}")
@@ -97,6 +103,14 @@ def _backend(backend, device):
 
 def _module(name):
     return importlib.import_module(f"{__package__}.backends.{_MODULES[name]}")
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors share bytes."""
+    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def _check_bits(bits):

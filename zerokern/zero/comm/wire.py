@@ -247,6 +247,8 @@ def reduce_scatter(output, input, group, rank: int, world: int, w: GradWire):
     `input` is read before this returns."""
     n = output.numel()
     x = input.reshape(-1).contiguous()
+    if x.numel() != world * n:  # every element of the new residual is written below
+        raise RuntimeError(f"zerokern internal error: a reduce-scatter of {x.numel()} elements into {world} x {n}")
     sides = w.sides(w.sent, x.numel(), x.device)
     chunk = stride(n, w.bits)
     send = torch.empty(world * chunk, dtype=torch.uint8, device=x.device)

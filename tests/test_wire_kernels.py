@@ -168,7 +168,7 @@ def test_a_residual_is_added_in_the_encode_and_the_error_may_replace_it(backend,
     x = CHUNKS["special-1337"].clone()
     x[5 * wire.BLOCK + 1] = 1e30  # no overflow when the residual is added
     res = (torch.randn(x.numel(), generator=torch.Generator().manual_seed(5)) * 0.5).to(res_dtype)
-    for xd in (torch.float32, torch.bfloat16):
+    for xd in (torch.float32, torch.bfloat16, torch.float16):  # every x dtype the encode accepts
         ref, ref_err = wire.encode_with_error(x.to(xd).float() + res.float(), bits, *KEY, stochastic=stochastic)
         ref_err = ref_err.to(err_dtype)
         out = torch.full((wire.nbytes(x.numel(), bits),), 0xAB, dtype=torch.uint8, device=device)

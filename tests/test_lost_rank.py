@@ -19,8 +19,11 @@ def _train(tmp_path, name, world, *args, restarts=0, timeout=240):
     """train_gpt.py on `world` processes (torchrun --standalone, as users launch it); returns (the
     process, its log JSON or None, seconds)."""
     log = tmp_path / f"{name}.json"
+    # torchrun polls its workers every 0.1 s and SIGTERMs the rest once one has died: a survivor still
+    # computing its backward then never reaches the collective that would raise RankLost (CI saw it
+    # once). Polling every 2 s leaves the survivor that long to raise, which is what is tested.
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-                 f"--max-restarts={restarts}"] if world > 1 else [sys.executable])
+                 f"--max-restarts={restarts}", "--monitor-interval=2"] if world > 1 else [sys.executable])
     env = dict(os.environ, OMP_NUM_THREADS="1")
     # pytorch/pytorch#135712: with the store torchrun shares, a restart can read the last attempt's
     # addresses and fail, or hang, in init_process_group (before zerokern runs)

@@ -109,6 +109,16 @@ def test_collectives_on_chunks_of_any_length(world):
 
 
 @pytest.mark.parametrize("world", [2, 3])
+def test_no_leftover_memory_is_sent(world):
+    """A chunk's slot in a collective's buffer is padded to 4 bytes (wire.stride); the pad bytes
+    went out as whatever memory torch.empty handed back. With that memory poisoned, every pad byte
+    bound for another rank is 0."""
+    for bits in (8, 4):
+        for r in dist_harness.values(dist_harness.run(W.pad_bytes, world, bits, timeout=120)):
+            assert r and all(r.values()) and len(r) == (2 if world == 2 else 3), (bits, r)
+
+
+@pytest.mark.parametrize("world", [2, 3])
 def test_a_carried_residual_is_added_and_replaced_bit_for_bit(world):
     """[Note: error feedback] through the collectives, against wire.py by hand: the residual is
     added inside the encode (and to the own chunk, which a checkpoint may have made non-zero), and

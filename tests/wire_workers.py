@@ -168,6 +168,41 @@ def odd_sizes(rank, world, bits, n=3001, m=333):
     return out
 
 
+def pad_bytes(rank, world, bits, m=333):
+    """What the collectives hand to gloo for other ranks, with torch.empty poisoned (0xAB, as
+    leftover memory may be): each chunk's slot is stride(m) bytes, its last ones pad (int8 of 333
+    values: 357 encoded, 3 pad), and every one bound for another rank must be written: the pads 0.
+    {collective: whether every pad byte it sent was 0}."""
+    from zerokern.kernels import wire
+    from zerokern.zero.comm import wire as comm_wire
+    chunk, used = wire.stride(m, bits), wire.nbytes(m, bits)
+    assert chunk > used, (chunk, used)  # else this checks nothing
+    sent, empty, a2a, gather = [], torch.empty, dist.all_to_all_single, comm_wire._all_gather
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(0xAB) if t.dtype == torch.uint8 else t
+
+    def a2a_seen(recv, send, *args, **kwargs):  # slot r goes to rank r; its own stays here
+        sent.append(("all_to_all", [s for r, s in enumerate(send.view(world, -1).clone()) if r != rank]))
+        return a2a(recv, send, *args, **kwargs)
+
+    def gather_seen(out, mine, *args, **kwargs):
+        sent.append(("all_gather", [mine.clone()]))
+        return gather(out, mine, *args, **kwargs)
+
+    torch.empty, dist.all_to_all_single, comm_wire._all_gather = poisoned, a2a_seen, gather_seen
+    try:  # every chunk m values: the reduce-scatter's, and the all-reduce's (one on 2 ranks, else world)
+        y, x = torch.randn(world * m), torch.randn(m if world == 2 else world * m)
+        comm_wire.reduce_scatter(torch.zeros(m), y, None, rank, world,
+                                 comm_wire.GradWire(f"int{bits}", "rs", rank)).wait()
+        comm_wire.all_reduce(x, None, rank, world, comm_wire.GradWire(f"int{bits}", "ar", rank)).wait()
+    finally:
+        torch.empty, dist.all_to_all_single, comm_wire._all_gather = empty, a2a, gather
+    return {f"{i} {what}": all(s.numel() == chunk and bool((s[used:] == 0).all()) for s in slots)
+            for i, (what, slots) in enumerate(sent)}
+
+
 def carried_residuals(rank, world, bits, m=320):
     """A reduction that carries a residual (as a checkpoint restores one: non-zero on the rank's own
     chunk too), against wire.py by hand: each peer's chunk is the decoded bytes of grads + residual

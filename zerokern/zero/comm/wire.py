@@ -215,6 +215,17 @@ def _fp32_view(t: torch.Tensor) -> Optional[torch.Tensor]:
     return t.view(-1) if t.dtype == torch.float32 and t.is_contiguous() else None
 
 
+def _slots(world: int, n: int, bits: int, device) -> torch.Tensor:
+    """A send buffer of `world` slots of stride(n) bytes for chunks of n values, each slot's pad
+    tail (up to 3 bytes past the encoded ones) zeroed: the bytes that cross a link are all written,
+    never leftover process memory."""
+    chunk, used = stride(n, bits), wire.nbytes(n, bits)
+    send = torch.empty(world * chunk, dtype=torch.uint8, device=device)
+    if chunk > used:
+        send.view(world, chunk)[:, used:].zero_()
+    return send
+
+
 def _decode_sum(recv, w: GradWire, chunk_bytes: int, n: int, world: int, rank: int, own,
                 into: Optional[torch.Tensor] = None) -> torch.Tensor:
     """fp32 sum, in rank order, of the `world` chunks in recv (rank's own: `own`, exact), written
@@ -251,7 +262,7 @@ def reduce_scatter(output, input, group, rank: int, world: int, w: GradWire):
         raise RuntimeError(f"zerokern internal error: a reduce-scatter of {x.numel()} elements into {world} x {n}")
     sides = w.sides(w.sent, x.numel(), x.device)
     chunk = stride(n, w.bits)
-    send = torch.empty(world * chunk, dtype=torch.uint8, device=x.device)
+    send = _slots(world, n, w.bits, x.device)  # the own slot is not encoded: all_to_all copies it locally
     for r in range(world):
         if r != rank:
             w.encode(x, send[r * chunk:r * chunk + wire.nbytes(n, w.bits)], 0, r * n, sides, r * n, (r + 1) * n)
@@ -278,7 +289,7 @@ def all_reduce(tensor, group, rank: int, world: int, w: GradWire):
     sides = w.sides(w.sent, n, x.device)
     if world == 2:
         size = stride(n, w.bits)
-        mine = torch.empty(size, dtype=torch.uint8, device=x.device)
+        mine = _slots(1, n, w.bits, x.device)
         w.encode(x, mine[:wire.nbytes(n, w.bits)], 0, 0, sides, 0, n)
         w.count += 1
         both = torch.empty(2 * size, dtype=torch.uint8, device=x.device)

@@ -4,6 +4,7 @@ gloo ranks told they are on 2 or 3 hosts, and stage-2 training on them against t
 links carry is measured on the namespaced hosts (tests/test_netbed.py, slow)."""
 
 import itertools
+import threading
 
 import pytest
 
@@ -59,6 +60,21 @@ def test_the_plan_names_hosts_by_first_rank():
     assert plan.host_of == (0, 1, 0, 1) and plan.members == ((0, 2), (1, 3)) and plan.local == (0, 0, 1, 1)
     assert not HostPlan(["x"] * 3).spans
     assert [plan.relay(h, c) for h, c in itertools.product(range(2), range(4))] == [0, 0, 2, 2, 1, 1, 3, 3]
+
+
+def test_relay_threads_finish_their_queue_and_return_at_exit():
+    """[Note: the relay thread]: one per group, running its collectives in order; at exit each is
+    told to return after what was queued before (none left inside gloo while Python finalizes)."""
+    from zerokern.zero.comm import gloo
+    ran, gate = [], threading.Event()
+    works = [gloo._relayed(key, lambda k=key, i=i: (gate.wait(5), ran.append((k, i))))
+             for i in range(2) for key in ("group a", "group b")]
+    threads = [thread for _, thread in gloo._RELAYS.values()]
+    assert len(threads) == 2 and all(t.is_alive() for t in threads)
+    threading.Timer(0.2, gate.set).start()  # the queued ones finish while _stop_relays waits
+    gloo._stop_relays()
+    assert all(w.is_completed() for w in works) and not any(t.is_alive() for t in threads)
+    assert [i for k, i in ran if k == "group a"] == [0, 1] and len(ran) == 4 and not gloo._RELAYS
 
 
 @pytest.mark.parametrize("check", [True, False])

@@ -13,6 +13,7 @@ gathers host by host instead ([Note: collectives across hosts]), so that the slo
 more than DDP's all-reduce puts on it.
 """
 
+import atexit
 import itertools
 import queue
 import threading
@@ -179,20 +180,43 @@ class _Relayed:
 
 def _relay_loop(jobs):
     while True:
-        run, work = jobs.get()
+        job = jobs.get()
+        if job is _STOP:
+            return
+        run, work = job
         try:
             run()
         except BaseException as e:  # noqa: BLE001  handed to the waiter
             work._error = e
         work._done.set()
-        del run, work  # [Note: the relay thread]: nothing held while idle
+        del run, work, job  # [Note: the relay thread]: nothing held while idle
+
+
+_STOP = None  # queued at exit: the thread returns
+
+
+def _stop_relays() -> None:
+    """At exit, before Python finalizes: each relay thread is told to return once the collectives
+    queued before it are done, and given a moment to (one blocked on a peer that is gone stays
+    there, holding nothing), so none is still inside gloo when the interpreter finalizes ([Note:
+    exit drain])."""
+    for jobs, thread in list(_RELAYS.values()):
+        jobs.put(_STOP)
+    for jobs, thread in list(_RELAYS.values()):
+        thread.join(timeout=1.0)
+    _RELAYS.clear()
+
+
+atexit.register(_stop_relays)
 
 
 def _relayed(group, run) -> _Relayed:
-    jobs = _RELAYS.get(group)
-    if jobs is None:
-        jobs = _RELAYS[group] = queue.SimpleQueue()
-        threading.Thread(target=_relay_loop, args=(jobs,), name="zerokern-relay", daemon=True).start()
+    if group not in _RELAYS:
+        jobs = queue.SimpleQueue()
+        thread = threading.Thread(target=_relay_loop, args=(jobs,), name="zerokern-relay", daemon=True)
+        _RELAYS[group] = jobs, thread
+        thread.start()
+    jobs = _RELAYS[group][0]
     work = _Relayed()
     jobs.put((run, work))
     return work

@@ -249,7 +249,10 @@ def _decode_sum(recv, w: GradWire, chunk_bytes: int, n: int, world: int, rank: i
 # not into a new one then copied: that saves three passes over the values. The bits are those of
 # 0 + term + ...: 0 + y is y for every y but -0.0, and a decoded value is never -0.0 (a block's
 # codes are 0 where its scale is 0, and a non-zero code times a positive scale does not underflow);
-# a rank's own term may be, so it is added to 0 (own + 0.0, the same sum).
+# a rank's own term may be, so it is added to 0 (own + 0.0, the same sum). One exception: with
+# denormals flushed (torch.set_flush_denormal(True)) a subnormal scale reads as 0 and a negative
+# code decodes to -0.0, so a sum may end in -0.0 where 0 + y gives +0.0: the same value to Adam,
+# and the same bits on every rank, which all decode the same bytes.
 
 
 def reduce_scatter(output, input, group, rank: int, world: int, w: GradWire):

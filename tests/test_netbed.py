@@ -38,14 +38,14 @@ def _logged(script, tmp_path, name):
     return script + ckpt + ["--log-json", str(tmp_path / f"{name}.json")]
 
 
-def _on_two_hosts(tmp_path, name, script, restarts=0, timeout=180):
+def _on_two_hosts(tmp_path, name, script, restarts=0, timeout=180, monitor_interval=None):
     """`script` as a 2-host job (2 ranks a host) on a new bed: (rank 0's --log-json, both hosts'
     output, the bytes each host sent over its link). Fails if a host's torchrun fails."""
     env = RESTARTABLE if restarts else ENV
     script = _logged(script, tmp_path, name)
     with netbed.NetBed(hosts=2, rate="1gbit") as bed:
         before = [bed.tx_bytes(h) for h in range(2)]
-        procs = [bed.popen(h, bed.torchrun(h, 2, script, job=name, restarts=restarts), env=env,
+        procs = [bed.popen(h, bed.torchrun(h, 2, script, job=name, restarts=restarts, monitor_interval=monitor_interval), env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for h in range(2)]
         try:
             outs = [p.communicate(timeout=timeout)[0] for p in procs]
@@ -107,7 +107,10 @@ def test_rank_killed_on_one_host_both_hosts_resume(tmp_path, whole):
     """A rank killed on host 1 mid-step: the survivors on both hosts raise, both hosts' torchrun
     agents restart their workers from the last DCP checkpoint (shared by the hosts), and the
     resumed job ends on the uninterrupted job's losses (the WHOLE job's)."""
-    log, out, _ = _on_two_hosts(tmp_path, "killed", WHOLE + ["--kill-at-step", "3"], restarts=1, timeout=300)
+    # torchrun polling every 2 s, not 0.1: the survivors have that long to raise before it stops
+    # them (tests/test_lost_rank.py)
+    log, out, _ = _on_two_hosts(tmp_path, "killed", WHOLE + ["--kill-at-step", "3"], restarts=1, timeout=300,
+                                monitor_interval=2)
     assert "killed at step 3" in out and "another rank is gone" in out, out[-6000:]
     assert "continuing at step 2" in out, out[-6000:]  # the checkpoint after step 1
     assert log["first_step"] == 2

@@ -31,6 +31,13 @@ def test_plan_properties(numels, world, cap, align):
             assert layout.slots[i].bucket == b.index
         if len(b.tensors) > 1:
             assert b.numel <= cap, "only a lone tensor may exceed the cap"
+        # the gaps and the tensors tile the bucket exactly (GradBucket.zero clears the gaps)
+        held = [0] * b.padded_numel
+        for lo, hi in list(layout.gaps(b.index)) + ranges:
+            assert lo < hi or (lo, hi) in ranges
+            for k in range(lo, hi):
+                held[k] += 1
+        assert held == [1] * b.padded_numel
     # Every element of every tensor is owned by exactly one rank.
     owned = {i: [0] * n for i, n in enumerate(numels)}
     for b in layout.buckets:

@@ -70,6 +70,17 @@ class FlatLayout:
         shard = self.buckets[bucket].shard_numel
         return rank * shard, (rank + 1) * shard
 
+    def gaps(self, bucket: int) -> Tuple[Tuple[int, int], ...]:
+        """The elements [start, end) of `bucket` no tensor holds (alignment and padding), in order."""
+        out, at = [], 0
+        for s in sorted((self.slots[i] for i in self.buckets[bucket].tensors), key=lambda s: s.offset):
+            if s.offset > at:
+                out.append((at, s.offset))
+            at = max(at, s.offset + s.numel)
+        if self.buckets[bucket].padded_numel > at:
+            out.append((at, self.buckets[bucket].padded_numel))
+        return tuple(out)
+
     def rank_pieces(self, rank: int, bucket: int) -> Tuple[Piece, ...]:
         """The (tensor, slice) pairs inside `rank`'s shard of `bucket`, in order."""
         pieces = (self.rank_piece(rank, i) for i in self.buckets[bucket].tensors)

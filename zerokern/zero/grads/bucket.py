@@ -63,6 +63,7 @@ class GradBucket:
         self.stale_accumulation = False  # a backward added to a grad step() had consumed (freed)
         self._pos = {t: k for k, t in enumerate(plan.tensors)}
         self._range = layout.rank_range(rank, plan.index)  # this rank's [start, end) of the bucket
+        self._gaps = layout.gaps(plan.index)  # what no member holds (zero(): a quantized all-reduce)
 
     # --- buffers -------------------------------------------------------------
 
@@ -199,6 +200,14 @@ class GradBucket:
         self.got = [False] * len(self.got)
         if self.full is not None and not set_to_none:
             self.full.zero_()
+            self.note_write()
+        elif self.full is not None and self.wire is not None and not self.scatters:
+            # [Note: quantized reductions] decode whole blocks, so a quantized all-reduce in place
+            # also writes the gaps no member holds: 0 while every input is finite, but a block
+            # with an inf/nan (a skipped step) leaves it there, and no backward rewrites the gaps,
+            # so each later round's block would decode to nan again: they are zeroed here.
+            for a, b in self._gaps:
+                self.full[a:b].zero_()
             self.note_write()
 
     def release(self) -> None:

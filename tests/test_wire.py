@@ -69,6 +69,18 @@ def test_unknown_precisions_name_the_choices(kwargs, expect):
     assert expect in str(e.value)
 
 
+def test_gather_precision_at_stage_0_is_refused():
+    """Stage 0 gathers nothing: the option was accepted and did nothing (a silent no-op)."""
+    expect = "gather_precision='int8' at stage 0, where nothing is gathered"
+    for make in (lambda: zerokern.FusedZeroAdam(torch.nn.Linear(4, 4).parameters(), zero_stage=0,
+                                                gather_precision="int8"),
+                 lambda: zerokern.ZeroOptimizer(torch.nn.Linear(4, 4).parameters(), torch.optim.SGD, lr=0.1,
+                                                zero_stage=0, gather_precision="int8"),
+                 lambda: zerokern.shard(torch.nn.Linear(4, 4), stage=0, gather_precision="int8")):
+        with pytest.raises(ValueError, match=expect):
+            make()
+
+
 def test_wire_format_is_unbiased_and_marks_non_finite_blocks():
     x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
     for bits in (8, 4):

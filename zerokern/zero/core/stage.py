@@ -78,6 +78,10 @@ class ShardConfig:
         if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
             raise ValueError(f"stage must be 0, 1, 2 or 3, got {self.stage!r}")
         check_precisions(self.reduce_precision, self.gather_precision)
+        if self.stage == 0 and self.gather_precision is not None:
+            raise ValueError(f"zerokern: gather_precision={self.gather_precision!r} at stage 0, where nothing is "
+                             "gathered: every rank updates its own full params. Use stage 1, 2 or 3 for quantized "
+                             "param gathers, or leave gather_precision=None")
         if not isinstance(self.reshard_after_forward, bool):
             raise TypeError(f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}")
         if self.stage == 3 and self.overlap_param_gather:

@@ -26,6 +26,8 @@ nearest would pin it. It is keyed ([Note: reproducible rounding] in kernels/lowb
 bucket's name, the slice's place in it and `updates`, the count of updates of the slices: at
 stage 3 the gathers of one step (forward, backward, a checkpoint's recompute) give the same
 bytes, so backward computes with the weights forward used, and a rerun gives the same bytes.
+`updates` is not in checkpoints: a resumed run's gathers start from 0 again, so they round with
+other bits than the run that never stopped (docs/usage.md says so; the masters load exactly).
 A non-finite value in a block makes its scale NaN: every element of that block decodes to NaN on
 every rank (a step with an inf/nan update shows on every rank's params, as an exact gather's
 would; it is never clamped to a finite value). At stages 1/2 the block's held params then stay

@@ -54,6 +54,14 @@ def test_an_inf_on_one_rank_skips_the_step_and_leaves_no_trace(stage):
         assert r["equal"], r
 
 
+def test_an_inf_on_one_rank_of_a_2x2_mesh_skips_the_step_and_leaves_no_trace():
+    """The same on 4 ranks as 2 hosts x 2: stage 0 (the replica all-reduce, in place) and stage 3."""
+    for stage in (0, 3):
+        for r in dist_harness.values(dist_harness.run(W.skipped_step_leaves_no_trace, 4, stage, "int4", (2, 2),
+                                                      timeout=200)):
+            assert r["equal"], (stage, r)
+
+
 @pytest.mark.parametrize("kwargs, expect", [
     (dict(reduce_precision="int2"), "reduce_precision='int2'; choose one of (None, 'fp32', 'bf16', 'int8', 'int4')"),
     (dict(reduce_precision="INT8"), "reduce_precision='INT8'"),

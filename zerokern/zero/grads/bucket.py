@@ -64,6 +64,7 @@ class GradBucket:
         self._pos = {t: k for k, t in enumerate(plan.tensors)}
         self._range = layout.rank_range(rank, plan.index)  # this rank's [start, end) of the bucket
         self._gaps = layout.gaps(plan.index)  # what no member holds (zero(): a quantized all-reduce)
+        self._gap_index = None  # their elements' indices, made at the first zero() that needs them
 
     # --- buffers -------------------------------------------------------------
 
@@ -206,8 +207,10 @@ class GradBucket:
             # also writes the gaps no member holds: 0 while every input is finite, but a block
             # with an inf/nan (a skipped step) leaves it there, and no backward rewrites the gaps,
             # so each later round's block would decode to nan again: they are zeroed here.
-            for a, b in self._gaps:
-                self.full[a:b].zero_()
+            if self._gap_index is None:  # one op per zero_grad, not one per gap (about one per member)
+                self._gap_index = torch.cat([torch.arange(a, b) for a, b in self._gaps] or
+                                            [torch.empty(0, dtype=torch.long)]).to(self.full.device)
+            self.full.index_fill_(0, self._gap_index, 0)
             self.note_write()
 
     def release(self) -> None:

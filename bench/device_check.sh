@@ -120,6 +120,7 @@ stage "adam_throughput" 90 $py bench/adam_throughput.py "${dev[@]}" "${adam[@]}"
 stage "flatten_throughput" 35 $py bench/flatten_throughput.py "${dev[@]}" "${flat[@]}" \
   --jsonl "$out/flatten_throughput.jsonl" --json "$out/flatten_throughput.json"
 stage "zero_step" 35 $py bench/zero_step.py "${dev[@]}" "${zs[@]}" --jsonl "$out/zero_step.jsonl" --json "$out/zero_step.json"
+stage "self_check_cost" 40 $py bench/self_check_cost.py "${dev[@]}" --rounds 21 --fresh 1 --json "$out/self_check_cost.json"
 # 3. Optional, with what is left: out-of-bounds accesses in zerokern's CUDA kernels only (they live in
 # namespace zerokern; torch's kernels are not instrumented), every tensor its own allocation.
 if [ "$dry" = 1 ]; then

@@ -131,3 +131,21 @@ def bad_path(rank, world, paths):
     except Exception as e:  # noqa: BLE001
         return f"{type(e).__name__}: {e}"
     return None
+
+
+def stage3_matches_in_memory(rank, world, dtype, path, steps=4):
+    """Stage 3 (each Linear a unit, then the root): the state of this rank's param shards on disk."""
+    runs = []
+    for offload in (None, nvme(path)):
+        model = model_of(dtype)
+        for layer in (model[0], model[2], model[4]):
+            zerokern.shard(layer, stage=3, bucket_cap_mb=0.02, offload=offload)
+        zerokern.shard(model, stage=3, bucket_cap_mb=0.02, offload=offload)
+        opt = FusedZeroAdam(model.parameters(), lr=1e-2, weight_decay=0.05)
+        train(model, opt, rank, world, 0, steps)
+        runs.append((model, opt))
+    (a, oa), (b, ob) = runs
+    sa, sb = state_of(oa), state_of(ob)
+    return {"streams": all(getattr(s, "streams", False) for s in ob.stores),
+            "params": all(torch.equal(x.param_shard(), y.param_shard()) for x, y in zip(oa.stores, ob.stores)),
+            "state": len(sa) == len(sb) and all(torch.equal(x, y) for x, y in zip(sa, sb)), "n_state": len(sa)}

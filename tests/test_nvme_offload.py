@@ -72,3 +72,9 @@ def test_what_nvme_offload_does_not_offer_is_refused(tmp_path):
         zerokern.ZeroOptimizer(model.parameters(), torch.optim.AdamW, offload=nv)
     with pytest.raises(ValueError, match="needs path="):
         OffloadPolicy(device="nvme")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_stage3_state_on_disk_trains_bit_for_bit_as_in_memory(tmp_path, dtype):
+    for r in dist_harness.values(dist_harness.run(W.stage3_matches_in_memory, 2, dtype, str(tmp_path))):
+        assert r["streams"] and r["params"] and r["state"] and r["n_state"] >= 6, r

@@ -125,7 +125,7 @@ class ShardConfig:
         if self.stage == 3 and self.overlap_param_gather:
             raise ValueError("overlap_param_gather is for stages 1 and 2: at stage 3 every unit's params are "
                              "gathered in its forward (the next unit's gather prefetched); leave it off")
-        if self.stage == 3 and self.offload is not None:
+        if self.stage == 3 and self.offload is not None and not self.offload.on_disk:
             raise ValueError("offload at stage 3 is not offered yet; use stage=2 with offload, or stage=3 without")
         if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, (int, float)):
             raise TypeError(f"bucket_cap_mb must be a number, got {type(self.bucket_cap_mb).__name__}")

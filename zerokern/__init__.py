@@ -10,7 +10,7 @@ import sys
 
 __all__ = ["ops", "FusedAdam", "FusedZeroAdam", "ZeroOptimizer", "GradScaler", "OffloadPolicy", "shard",
            "full_state_dict", "available_backends", "unavailable_backends",
-           "RankLost", "CollectiveMismatch", "WrappedInDDPError", "BackendUnavailableError", "KernelSelfCheckError"]
+           "RankLost", "CollectiveMismatch", "WrappedInDDPError", "BackendUnavailableError", "KernelSelfCheckError", "NvmeOffloadError"]
 __version__ = "0.1.0"
 
 
@@ -18,7 +18,7 @@ def _load():
     """Import the torch-backed parts; binds the public names (and ops, optim, zero) here."""
     global ops, available_backends, unavailable_backends, FusedAdam, FusedZeroAdam, GradScaler, ZeroOptimizer
     global OffloadPolicy, full_state_dict, shard, RankLost, CollectiveMismatch, WrappedInDDPError, BackendUnavailableError
-    global KernelSelfCheckError
+    global KernelSelfCheckError, NvmeOffloadError
     from .kernels.backends.registry import BackendUnavailableError
     from .kernels.backends.selfcheck import KernelSelfCheckError
     from .ops import available_backends, unavailable_backends
@@ -26,6 +26,7 @@ def _load():
     from .zero.api import full_state_dict, shard
     from .zero.core.errors import CollectiveMismatch, RankLost, WrappedInDDPError
     from .zero.core.stage import OffloadPolicy
+    from .zero.state.swap import NvmeOffloadError
     ops = sys.modules[__name__ + ".ops"]  # not `from . import ops`: that asks __getattr__ for "ops" again
 
 

@@ -103,8 +103,6 @@ class NvmeStore(ShardStore):
             for c in range(min(len(ring) - 1, count)):
                 start_read(c)
             for c in range(count):
-                if c + len(ring) - 1 < count:
-                    start_read(c + len(ring) - 1)  # its set held chunk c - 1, whose writes it waits for
                 for f in reads[c]:
                     f.result()
                 reads[c] = None
@@ -119,6 +117,8 @@ class NvmeStore(ShardStore):
                     model)
                 writes[c % len(ring)] = [swap.write(bufs[key], length(c), self._offset(dst, key) + c * chunk * 4)
                                          for key in self.arrays]
+                if c + len(ring) - 1 < count:  # into the set of chunk c - 1, once its writes (issued a chunk
+                    start_read(c + len(ring) - 1)  # ago, during this chunk's update) are done
             for fs in writes:
                 for f in fs or ():
                     f.result()

@@ -87,6 +87,9 @@ def train(args, rank=0, world=1, device="cpu"):
     mesh = tuple(int(n) for n in args.mesh.split(",")) if args.mesh else None
     # what grads and gathered params travel in ([Note: quantized reductions] in zerokern/zero/comm/wire.py)
     wire = dict(reduce_precision=args.reduce_precision, gather_precision=args.gather_precision)
+    if args.offload != "none":  # the optimizer state in CPU memory, or on disk under --offload-path
+        wire["offload"] = zerokern.OffloadPolicy(device=args.offload, path=args.offload_path,
+                                                 chunk_mb=args.offload_chunk_mb)
     if args.optimizer == "zerokern" and args.zero_stage == 3:  # params sharded too: each block a unit
         for blk in model.blocks:
             zerokern.shard(blk, stage=3, bucket_cap_mb=args.bucket_cap_mb, mesh=mesh, **wire)
@@ -232,6 +235,10 @@ def parser():
                          "only between hosts)")
     ap.add_argument("--gather-precision", choices=["int8"], default=None,
                     help="zerokern: what gathered params travel in")
+    ap.add_argument("--offload", choices=["none", "cpu", "nvme"], default="none",
+                    help="zerokern: the optimizer state in CPU memory or on disk (--offload-path), streamed")
+    ap.add_argument("--offload-path", help="--offload nvme: a directory on a local disk")
+    ap.add_argument("--offload-chunk-mb", type=float, default=16.0, help="--offload nvme: MB per state array streamed")
     ap.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
                     help="3: zerokern.shard(stage=3) on each block and the root")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")

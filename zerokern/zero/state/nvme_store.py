@@ -160,7 +160,8 @@ def create(placed, policy: OffloadPolicy, comm, what: str) -> List[NvmeStore]:
     swap = None
     if problem is None:
         try:
-            swap = SwapFile(policy.path, nbytes, rank, policy)
+            swap = SwapFile(policy.path, nbytes, rank, policy,
+                            largest=max((f.param_shard(b).numel() for f, b in placed), default=1))
         except NvmeOffloadError as e:
             problem = str(e)
     problems = [p for p in comm.gather_objects(problem and f"rank {rank}: {problem}", name="nvme_path")]

@@ -117,7 +117,7 @@ class SwapFile:
     """One rank's scratch file (see the Note): regions handed out by `region`, state tensors viewed
     through a shared mmap, chunks moved by `read`/`write` on the I/O threads."""
 
-    def __init__(self, directory, nbytes: int, rank: int, policy):
+    def __init__(self, directory, nbytes: int, rank: int, policy, largest: int = 1 << 62):
         self.directory = os.fspath(directory)
         self.nbytes = nbytes
         name = f"zerokern-swap-rank{rank}-pid{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"
@@ -139,7 +139,8 @@ class SwapFile:
         self._fd, self._dfd = fd, dfd
         self._mm = mmap.mmap(fd, max(nbytes, ALIGN), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self._used = 0
-        self.chunk = max(FLOATS, int(policy.chunk_mb * 2**20) // 4 // FLOATS * FLOATS)  # fp32 per array and chunk
+        # fp32 per array and chunk: as asked, but no larger than the largest shard (padded) needs
+        self.chunk = max(FLOATS, min(int(policy.chunk_mb * 2**20) // 4 // FLOATS * FLOATS, padded(largest)))
         self.buffer_count = policy.buffer_count
         self._pin = policy.pin_memory and torch.cuda.is_available()
         self._ring = {}  # arrays per chunk -> the ring of buffer sets, made at the first step

@@ -202,3 +202,30 @@ def test_bytes_across_hosts_flat_and_hybrid():
     assert plan(params=1000, dp=4).stages[2].inter_host_bytes is None
     with pytest.raises(ValueError, match="dp 6 is not divisible by hosts 4"):
         plan(params=1000, dp=6, hosts=4)
+
+
+LLAMA_7B = ["--arch", "llama", "--layers", "32", "--hidden", "4096", "--heads", "32", "--vocab", "32000",
+            "--ffn-hidden", "11008"]
+
+
+def test_hybrid_verdict_agrees_with_the_hosts_table(capsys):
+    """2 hosts x 8 GPUs, int4, 7B Llama on 24 GB (issue 50): hybrid stage 3 needs 18.31 GB, so the
+    hosts table says it fits and the one verdict names hybrid stage 3; flat sharding (int4's error
+    feedback unsharded) fits nowhere, and the verdict says that of flat only. The default link is
+    said to be assumed."""
+    assert main(LLAMA_7B + ["--dp", "16", "--hosts", "2", "--gpu-memory", "24GB", "--reduce-precision", "int4",
+                            "--dtype", "bf16"]) == 0
+    out = capsys.readouterr().out
+    hosts_table = out[out.index("across 2 hosts"):]
+    stage3 = next(line for line in hosts_table.splitlines() if line.startswith("3 "))
+    assert "18.31" in stage3 and "yes (5.69)" in stage3 and "<- smallest stage that fits, hybrid" in stage3
+    verdicts = [line for line in out.splitlines() if "verdict" in line or "no stage fits:" in line]
+    assert verdicts == ["verdict for hybrid sharding, mesh=(2, 8) (the hosts table): stage 3 is the smallest that "
+                        "fits, 18.31 of 24.00 GB; for flat sharding over 16 ranks (the first table): no stage fits"]
+    assert "100 GB/s is the default --dp-bandwidth, an NVLink-class link" in out
+    p = plan(layers=32, hidden=4096, heads=32, vocab=32000, ffn_hidden=11008, arch="llama", dp=16, hosts=2,
+             gpu_memory="24GB", reduce_precision="int4", dtype="bf16")
+    assert p.smallest_fitting_stage is None and p.smallest_fitting_hybrid_stage == 3
+    assert p.to_dict()["smallest_fitting_hybrid_stage"] == 3
+    assert main(LLAMA_7B + ["--dp", "16", "--hosts", "2", "--dp-bandwidth", "25GB/s"]) == 0
+    assert "default --dp-bandwidth" not in capsys.readouterr().out  # given: no assumption to state

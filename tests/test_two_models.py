@@ -18,3 +18,14 @@ def test_dcgan_loop_matches_ddp(stage):
         for how, d in r.items():
             assert d["losses"] < 1e-5, (rank, how, d)
             assert d["params"] < 1e-5, (rank, how, d)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_broadcast_buffers_gives_ddps_batchnorm_statistics(stage):
+    """zerokern.broadcast_buffers(model) is DDP's default broadcast_buffers=True: every rank's
+    running stats and eval output are DDP's on that rank (fp32; the sums' order alone differs).
+    Without it rank 1's stats drift from DDP's (documented), as the issue measured."""
+    for rank, r in enumerate(dist_harness.values(dist_harness.run(W.batchnorm_buffers, 2, stage))):
+        assert r["broadcast"]["stats"] < 1e-5 and r["broadcast"]["eval"] < 1e-5, (rank, r)
+        if rank == 1:
+            assert r["plain"]["stats"] > 1e-2, r  # the drift the option removes

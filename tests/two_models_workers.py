@@ -91,3 +91,46 @@ def dcgan_against_ddp(rank, world, stage):
         del optD, optG
     dist.barrier()
     return out
+
+
+def batchnorm_buffers(rank, world, stage):
+    """A BatchNorm model trained on each rank's own batches, under DDP (broadcast_buffers=True, its
+    default) and under zerokern with and without zerokern.broadcast_buffers(model) (no bias before the
+    BatchNorm: its grad is rounding noise, which Adam would turn into lr-sized steps). Per variant:
+    the largest difference of this rank's running stats and eval output from DDP's on this rank."""
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(6, 8, bias=False), torch.nn.BatchNorm1d(8), torch.nn.ReLU(),
+                                   torch.nn.Linear(8, 2))
+
+    gen = torch.Generator().manual_seed(7 + rank)
+    data = [torch.randn(5, 6, generator=gen) * (1 + rank) + rank for _ in range(4)]
+    probe = torch.randn(3, 6, generator=torch.Generator().manual_seed(3))
+
+    def train(model, opt):
+        for x in data:
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+        model.eval()
+        with torch.no_grad():
+            out = model(probe)
+        inner = model.module if hasattr(model, "module") else model
+        return [inner[1].running_mean.clone(), inner[1].running_var.clone()], out
+
+    ddp = torch.nn.parallel.DistributedDataParallel(net())
+    ref_stats, ref_out = train(ddp, torch.optim.Adam(ddp.parameters(), lr=1e-2))
+    res = {}
+    for variant in ("plain", "broadcast"):
+        model = net()
+        if stage == 3:
+            zerokern.shard(model, stage=3)
+        if variant == "broadcast":
+            zerokern.broadcast_buffers(model)
+        kw = {} if stage == 3 else {"zero_stage": stage}
+        opt = zerokern.FusedZeroAdam(model.parameters(), lr=1e-2, **kw)
+        stats, out = train(model, opt)
+        res[variant] = {"stats": max((a - b).abs().max().item() for a, b in zip(stats, ref_stats)),
+                        "eval": (out - ref_out).abs().max().item()}
+        del opt
+    return res

@@ -229,3 +229,40 @@ def test_hybrid_verdict_agrees_with_the_hosts_table(capsys):
     assert p.to_dict()["smallest_fitting_hybrid_stage"] == 3
     assert main(LLAMA_7B + ["--dp", "16", "--hosts", "2", "--dp-bandwidth", "25GB/s"]) == 0
     assert "default --dp-bandwidth" not in capsys.readouterr().out  # given: no assumption to state
+
+
+def _doc_commands():
+    """Every `python -m zerokern.plan ...` in the README and docs/ with arguments, in a code block
+    (backslash continuations joined, comments dropped) or inline, as argument lists. An inline one
+    that elides its arguments ("...") or names the command alone is prose, not a command."""
+    import pathlib
+    import re
+    import shlex
+    root = pathlib.Path(__file__).resolve().parent.parent
+    found = []
+    for path in [root / "README.md"] + sorted((root / "docs").glob("*.md")):
+        prose, code, fenced = [], [], False
+        for line in path.read_text().splitlines():
+            if line.startswith("```"):
+                fenced = not fenced
+                continue
+            (code if fenced else prose).append(line)
+        for cmd in re.findall(r"python -m zerokern\.plan(?:[^\n]*\\\n)*[^\n]*", "\n".join(code)):
+            found.append((path.name, shlex.split(cmd.replace("\\\n", " ").split("#")[0])[3:]))
+        for span in re.findall(r"`(python -m zerokern\.plan[^`]*)`", "\n".join(prose)):
+            argv = shlex.split(" ".join(span.split()))[3:]
+            if argv and "..." not in argv:
+                found.append((path.name, argv))
+    return found
+
+
+def test_every_planner_command_in_the_docs_runs(capsys):
+    """What a reader pastes from the README and docs runs (usage.md had flag-only lines that exit 2)."""
+    commands = _doc_commands()
+    assert len(commands) >= 8, commands
+    for where, argv in commands:
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+        assert code == 0, (where, argv, capsys.readouterr().err)

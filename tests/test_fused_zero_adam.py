@@ -152,6 +152,24 @@ def test_single_process_matches_adamw_and_lr_scheduler():
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+def test_no_weight_decay_given_is_torch_adam(adam_w_mode):
+    """FusedZeroAdam(params, lr=...) with no weight_decay is torch.optim.Adam (no decay), as apex's and
+    DeepSpeed's FusedAdam are: a user swapping it in for any of them gets the same numbers."""
+    model = W.make_model()
+    ref = copy.deepcopy(model)
+    opt = FusedZeroAdam(model.parameters(), lr=1e-2, adam_w_mode=adam_w_mode)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    assert opt.param_groups[0]["weight_decay"] == ref_opt.param_groups[0]["weight_decay"] == 0.0
+    for x, y in W.batches(10):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            W.loss_fn(m, x, y).backward()
+            o.step()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
 def test_param_groups_and_frozen_params():
     model = W.make_model()
     model[0].weight.requires_grad_(False)

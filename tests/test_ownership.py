@@ -84,9 +84,11 @@ def test_scheduler_resumes_after_load_state_dict():
     assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == 1e-2 * 0.5 ** 3
 
 
-def test_weight_decay_defaults_follow_torch():
+def test_weight_decay_defaults_to_zero_as_adam_and_fused_adams():
+    """0 unless given, in both modes, as torch.optim.Adam, apex's and DeepSpeed's FusedAdam (issue 50;
+    it was AdamW's 0.01). The numbers: test_fused_zero_adam.py's test_no_weight_decay_given_is_torch_adam."""
     ps = list(R.gpt().parameters())
-    assert FusedZeroAdam(ps[:2]).defaults["weight_decay"] == torch.optim.AdamW(ps[:2]).defaults["weight_decay"]
+    assert FusedZeroAdam(ps[:2]).defaults["weight_decay"] == torch.optim.Adam(ps[:2]).defaults["weight_decay"] == 0.0
     assert FusedZeroAdam(ps[2:4], adam_w_mode=False).defaults["weight_decay"] == 0.0
 
 

@@ -99,7 +99,7 @@ def test_one_process_trains_as_adamw():
         zerokern.shard(blk, stage=3)
     zerokern.shard(b, stage=3)
     ref = torch.optim.AdamW(a.parameters(), lr=0.1)
-    opt = zerokern.FusedZeroAdam(b.parameters(), lr=0.1)
+    opt = zerokern.FusedZeroAdam(b.parameters(), lr=0.1, weight_decay=0.01)
     x = torch.randn(5, 4)
     for _ in range(3):
         for m, o in ((a, ref), (b, opt)):

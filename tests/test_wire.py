@@ -148,3 +148,11 @@ def test_a_carried_residual_is_added_and_replaced_bit_for_bit(world):
     for bits in (8, 4):
         for r in dist_harness.values(dist_harness.run(W.carried_residuals, world, bits, timeout=120)):
             assert all(r.values()) and len(r) == (4 if world == 2 else 2), (bits, r)
+
+
+def test_ranks_with_different_precisions_are_told_which_option_differs():
+    """The error names the option that differs and each rank's value (it showed a hash called
+    'names/shapes/dtypes' and each rank's whole config, issue 50)."""
+    for r in dist_harness.values(dist_harness.run(W.mismatched_precisions, 2)):
+        assert "The ranks differ in reduce_precision (rank 0: None; rank 1: 'int8')" in r["shard"], r["shard"]
+        assert "The ranks differ in gather_precision (rank 0: 'int8'; rank 1: None)" in r["optimizer"], r["optimizer"]

@@ -132,3 +132,18 @@ def test_state_dict_on_one_rank_raises_not_hangs():
     errors = list(dist_harness.values(dist_harness.run(W.skipped_fold, 2, timeout=120)))
     # rank 1 is busy elsewhere: rank 0 names the collective it waited in, and why it was one
     assert "error_feedback fold" in errors[0] and "this was opt.state_dict()" in errors[0], errors
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("saved_with, loaded_with", [(None, "int8"), ("int8", None)])
+def test_wire_changed_between_runs_through_the_documented_recipe(tmp_path, stage, saved_with, loaded_with):
+    """docs/checkpoints.md's DCP recipe, run as the page has it, resumes with reduce_precision turned
+    on (residuals from zero: DCP stopped on the missing error_feedback key before) or off."""
+    path = str(tmp_path / "ckpt")
+    saved = dist_harness.values(dist_harness.run(W.recipe_run, 2, path, stage, saved_with, "save", N, M))
+    loaded = dist_harness.values(dist_harness.run(W.recipe_run, 2, path, stage, loaded_with, "load", N, M))
+    for r in loaded:
+        assert set(r["counts"]) == ({0} if loaded_with else {None})  # a new run's residuals, or none
+    after, resumed = saved[0]["after"], loaded[0]["resumed"]
+    assert resumed[0] == pytest.approx(after[0], rel=1e-6)  # before any update: the loaded params alone
+    assert resumed == pytest.approx(after, rel=LOSS_REL["int8"]), (after, resumed)

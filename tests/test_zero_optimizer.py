@@ -34,10 +34,45 @@ def test_whole_tensor_optimizers_are_refused():
     for cls in [getattr(torch.optim, "Adafactor", None), torch.optim.LBFGS]:
         if cls is None:
             continue
-        with pytest.raises(ValueError, match=f"{cls.__name__} is not known to update each element"):
+        with pytest.raises(ValueError, match=f"ZeroOptimizer: {cls.__name__} .* cannot run on each rank's shards"):
             zerokern.ZeroOptimizer(model.parameters(), cls)
+    with pytest.raises(ValueError, match="_FloatStateSGD is not known to update each element"):  # unknown: vouch
+        zerokern.ZeroOptimizer(model.parameters(), _FloatStateSGD, lr=0.1)
     with pytest.raises(TypeError, match="must be a torch.optim.Optimizer class"):
         zerokern.ZeroOptimizer(model.parameters(), "SGD")
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon is torch 2.9+")
+def test_muon_is_refused_with_its_own_reason_even_when_vouched_for():
+    """Muon orthogonalises each 2-D update as a whole: the refusal says so (it cited Adafactor and
+    LAMB), and elementwise=True, which cannot make slices work for it, gets zerokern's error too (it
+    failed inside torch on zerokern's 1-element probe, issue 50)."""
+    model = W.Net()
+    for vouched in (None, True):
+        with pytest.raises(ValueError) as e:
+            zerokern.ZeroOptimizer(model.parameters(), torch.optim.Muon, lr=0.02, elementwise=vouched)
+        text = str(e.value)
+        assert text.startswith("ZeroOptimizer: Muon ") and "orthogonalises" in text, text
+        assert "Adafactor" not in text and "torch.Size([1])" not in text, text
+
+
+def test_a_vouched_optimizer_that_refuses_slices_gets_zerokerns_error():
+    """An optimizer vouched for with elementwise=True that rejects a flat 1-D slice (it wants a
+    param's shape) fails with zerokern's error naming it and why slices cannot work, not inside torch."""
+    class MatrixOnly(torch.optim.SGD):
+        def __init__(self, params, **kw):
+            params = list(params)
+            for g in params if isinstance(params[0], dict) else [{"params": params}]:
+                for p in g["params"]:
+                    if p.dim() != 2:
+                        raise ValueError(f"MatrixOnly wants 2-D params, got {tuple(p.shape)}")
+            super().__init__(params, **kw)
+
+    with pytest.raises(ValueError) as e:
+        zerokern.ZeroOptimizer(W.Net().parameters(), MatrixOnly, lr=0.1, elementwise=True)
+    text = str(e.value)
+    assert text.startswith("ZeroOptimizer: MatrixOnly (elementwise=True) refused") and "flat 1-D" in text, text
+    assert "MatrixOnly wants 2-D params" in text, text  # its own words, after zerokern's
 
 
 def test_one_process_sgd_with_grad_scaler_and_clipping():

@@ -147,3 +147,34 @@ def full_round_trip(rank, world, stage, precision, n):
     model2.load_state_dict(model.state_dict())
     opt2.load_state_dict(full[0])
     return {"before": before, "after": carried(opt2), "counts": wire_checkpoint.counts(opt2), "shape": shape}
+
+
+def _recipe(stage):
+    """docs/checkpoints.md's DCP recipe as written: (imports, save lines, load lines). Stage 3 has
+    its own block (model.state_dict(), and load_state_dict after dcp.load); its imports are the
+    first block's."""
+    text = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "checkpoints.md")).read()
+    blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
+    first = blocks[0].split("\n\n")
+    imports, save_lines, load_lines = first[0], first[1], first[2]
+    if stage == 3:
+        third = next(b for b in blocks if "model.load_state_dict(sd[\"model\"])" in b).split("\n\n")
+        save_lines, load_lines = third[0], third[1]
+    return imports, save_lines, load_lines
+
+
+def recipe_run(rank, world, path, stage, precision, phase, n, m):
+    """Train n steps and save (phase "save"), or build anew, load and train m steps (phase "load"),
+    with docs/checkpoints.md's recipe, executed as the page has it."""
+    batches = data(n + m)
+    model, opt = build(stage, precision)
+    imports, save_lines, load_lines = _recipe(stage)
+    scope = {"model": model, "opt": opt, "path": path, "rank": rank}
+    exec(imports, scope)
+    if phase == "save":
+        steps(rank, world, model, opt, batches[:n])
+        exec(save_lines, scope)
+        return {"after": steps(rank, world, model, opt, batches[n:])}
+    exec(load_lines, scope)
+    counts = wire_checkpoint.counts(opt)  # as loaded
+    return {"resumed": steps(rank, world, model, opt, batches[n:]), "counts": counts}

@@ -245,3 +245,19 @@ def carried_residuals(rank, world, bits, m=320):
         out["all_reduce"] = torch.equal(t, rt(ys[0] + rs[0])[0] + rt(ys[1] + rs[1])[0])
         out["all_reduce residual"] = torch.equal(w.sent.pending, rt(mine)[1].bfloat16())
     return out
+
+
+def mismatched_precisions(rank, world):
+    """Rank 1 asks for another wire than rank 0: shard(stage=3) with another reduce_precision, and
+    FusedZeroAdam at stage 2 with another gather_precision. Every rank's error text, by case."""
+    out = {}
+    torch.manual_seed(0)
+    try:
+        zerokern.shard(nn.Linear(8, 8), stage=3, reduce_precision=(None, "int8")[rank])
+    except ValueError as e:
+        out["shard"] = str(e)
+    try:
+        zerokern.FusedZeroAdam(nn.Linear(8, 8).parameters(), zero_stage=2, gather_precision=("int8", None)[rank])
+    except ValueError as e:
+        out["optimizer"] = str(e)
+    return out

@@ -9,21 +9,23 @@ torch.ops.zerokern as it always has.
 import sys
 
 __all__ = ["ops", "FusedAdam", "FusedZeroAdam", "ZeroOptimizer", "GradScaler", "OffloadPolicy", "shard",
-           "full_state_dict", "available_backends", "unavailable_backends",
-           "RankLost", "CollectiveMismatch", "WrappedInDDPError", "BackendUnavailableError", "KernelSelfCheckError", "NvmeOffloadError"]
+           "full_state_dict", "broadcast_buffers", "available_backends", "unavailable_backends",
+           "RankLost", "CollectiveMismatch", "WrappedInDDPError", "BackendUnavailableError", "KernelSelfCheckError",
+           "NvmeOffloadError"]
 __version__ = "0.1.0"
 
 
 def _load():
     """Import the torch-backed parts; binds the public names (and ops, optim, zero) here."""
     global ops, available_backends, unavailable_backends, FusedAdam, FusedZeroAdam, GradScaler, ZeroOptimizer
-    global OffloadPolicy, full_state_dict, shard, RankLost, CollectiveMismatch, WrappedInDDPError, BackendUnavailableError
+    global OffloadPolicy, full_state_dict, shard, broadcast_buffers, RankLost, CollectiveMismatch, WrappedInDDPError, BackendUnavailableError
     global KernelSelfCheckError, NvmeOffloadError
     from .kernels.backends.registry import BackendUnavailableError
     from .kernels.backends.selfcheck import KernelSelfCheckError
     from .ops import available_backends, unavailable_backends
     from .optim import FusedAdam, FusedZeroAdam, GradScaler, ZeroOptimizer
     from .zero.api import full_state_dict, shard
+    from .zero.buffers import broadcast_buffers
     from .zero.core.errors import CollectiveMismatch, RankLost, WrappedInDDPError
     from .zero.core.stage import OffloadPolicy
     from .zero.state.swap import NvmeOffloadError

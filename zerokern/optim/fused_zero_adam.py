@@ -49,7 +49,7 @@ class FusedZeroAdam(EngineOptimizer):
     with zerokern.shard(module, stage=3) on each block and the root; [Note: stage-3 params] in
     zero/params/per_unit.py).
 
-    FusedZeroAdam(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=None, *,
+    FusedZeroAdam(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
                   adam_w_mode=True, bias_correction=True, zero_stage=None, process_group=None,
                   bucket_cap_mb=None, overlap_comm=None, max_grad_norm=None, backend="auto", offload=None,
                   overlap_param_gather=None, state_precision="fp32", master_weights=True, rounding_seed=0,
@@ -63,8 +63,8 @@ class FusedZeroAdam(EngineOptimizer):
     gradient averaged over the data-parallel group, as under DDP: per-parameter
     step counts; a parameter with no grad on any rank in a step is left
     unchanged; one with a grad on some ranks counts as a zero grad on the others.
-    weight_decay defaults to torch.optim.AdamW's 0.01 (adam_w_mode=True) or
-    torch.optim.Adam's 0 (adam_w_mode=False).
+    weight_decay defaults to 0, as in torch.optim.Adam and apex's and DeepSpeed's FusedAdam
+    (torch.optim.AdamW's default is 0.01: pass weight_decay=0.01 for its numbers).
 
     Sharding: params sharded with zerokern.shard(module, ...) keep the options
     given there. Other params form one unit built here with zero_stage (None:
@@ -116,13 +116,11 @@ class FusedZeroAdam(EngineOptimizer):
     update; the last norm is in opt.last_grad_norm.
     """
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=None, *, adam_w_mode=True,
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *, adam_w_mode=True,
                  bias_correction=True, zero_stage=None, process_group=None, bucket_cap_mb=None, overlap_comm=None,
                  max_grad_norm=None, backend="auto", offload=None, overlap_param_gather=None,
                  state_precision="fp32", master_weights=True, rounding_seed=0, mesh=None, reduce_precision=None,
                  gather_precision=None):
-        if weight_decay is None:  # the defaults of the classes users swap out: AdamW 0.01, Adam 0
-            weight_decay = 0.01 if adam_w_mode else 0.0
         check_hyper(lr, betas, eps, weight_decay)
         self.options = StepOptions(adam_w_mode, bias_correction, max_grad_norm, backend)
         self.state_policy = StatePolicy(state_precision, master_weights, rounding_seed)

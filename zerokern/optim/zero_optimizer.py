@@ -12,7 +12,8 @@ gradient of that slice as .grad, and updates it in place. For an elementwise opt
 element's update depends on that element's grad and state only: SGD, Adam, AdamW, Adagrad,
 RMSprop, ...) the pieces together give exactly the numbers of the same optimizer on whole
 params. One that reads whole tensors (Adafactor's row and column statistics, LAMB's trust ratio,
-LBFGS) would not, and is refused.
+LBFGS, Muon's orthogonalised matrices) would not, and is refused, with the reason for the ones
+torch ships (_WHOLE_TENSOR), also when vouched for with elementwise=True.
 
 State: the inner optimizer's, per piece (every trainable param has a piece on every rank, an
 empty one where the rank holds none of its elements), made at construction as the first step
@@ -36,6 +37,16 @@ from .zero_setup import validated_groups
 # torch.optim classes whose update is elementwise (so per-slice updates equal whole-tensor ones)
 _ELEMENTWISE = {getattr(torch.optim, n) for n in ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "NAdam",
                                                    "RAdam", "Adadelta", "ASGD", "Rprop") if hasattr(torch.optim, n)}
+# torch.optim classes known to read whole tensors, and why no slice of a param can stand in for it:
+# refused even with elementwise=True (vouching cannot make them elementwise)
+_WHOLE_TENSOR = {
+    "Muon": "orthogonalises each 2-D update as a whole (Newton-Schulz iterations on the param's matrix), which no "
+            "rank's flat slice of it can do",
+    "Adafactor": "factors the second moment into a 2-D param's row and column statistics, which need the whole "
+                 "param",
+    "LBFGS": "takes its steps along directions built from every param's whole gradient (and re-evaluates the "
+             "loss)",
+}
 _SHARDING = ("zero_stage", "process_group", "bucket_cap_mb", "overlap_comm", "offload", "overlap_param_gather",
              "mesh", "reduce_precision", "gather_precision")
 
@@ -54,6 +65,12 @@ class ZeroOptimizer(EngineOptimizer):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"ZeroOptimizer: optimizer_class must be a torch.optim.Optimizer class, got "
                             f"{optimizer_class!r}")
+        why = _WHOLE_TENSOR.get(optimizer_class.__name__) if optimizer_class.__module__.startswith("torch.") else None
+        if why is not None:
+            raise ValueError(
+                f"ZeroOptimizer: {optimizer_class.__name__} {why}, so it cannot run on each rank's shards, whatever "
+                "elementwise= says. Train it without ZeroOptimizer (plain DDP), or use an elementwise optimizer "
+                "(SGD, Adam, AdamW, Adagrad, RMSprop, ...)")
         if not (elementwise or optimizer_class in _ELEMENTWISE):
             raise ValueError(
                 f"ZeroOptimizer: {optimizer_class.__name__} is not known to update each element on its own "
@@ -66,7 +83,18 @@ class ZeroOptimizer(EngineOptimizer):
         sharding = {k: kwargs.pop(k) for k in _SHARDING if k in kwargs}
         self.optimizer_class, self.max_grad_norm = optimizer_class, max_grad_norm
         # the inner class's own defaults (and its checks of them), read from a throwaway instance
-        defaults = optimizer_class([torch.zeros(1, requires_grad=True)], **kwargs).defaults
+        # on a slice as the inner optimizer will see them: flat, 1-D, fp32
+        try:
+            defaults = optimizer_class([torch.zeros(1, requires_grad=True)], **kwargs).defaults
+        except (ValueError, RuntimeError, TypeError) as e:
+            if optimizer_class in _ELEMENTWISE:
+                raise  # its own check of the options (lr=-1, ...): torch's message says it
+            raise ValueError(
+                f"ZeroOptimizer: {optimizer_class.__name__} (elementwise=True) refused a flat 1-D fp32 tensor of 1 "
+                f"element ({type(e).__name__}: {e}). ZeroOptimizer hands the inner optimizer each rank's slice of "
+                "every param, flattened to 1-D, so an optimizer that needs a param's shape (2-D matrices, as "
+                "Muon's orthogonalised updates) cannot run on them: it is not elementwise. Train it without "
+                "ZeroOptimizer, or check the options passed to it") from e
         self._constructing = True
         super().__init__(validated_groups(params), defaults)
         self._constructing = False

@@ -91,9 +91,10 @@ def parser():
                     help="keep fp32 master weights and Adam state in CPU memory (ZeRO stage 1 and up)")
     hw.add_argument("--gpu-memory", type=parse_bytes, default=80e9,
                     help="per GPU, with a unit: 80GB (the default), 141GB, 24GiB")
-    hw.add_argument("--dp-bandwidth", type=lambda t: parse_bytes(t, per_second=True), default=100e9,
-                    help="per-GPU data-parallel link bandwidth in bytes (100GB/s, the default) or bits "
-                         "(400Gb/s, 400Gbps: a lowercase b is a bit)")
+    hw.add_argument("--dp-bandwidth", type=lambda t: parse_bytes(t, per_second=True), default=None,
+                    help="per-GPU data-parallel link bandwidth in bytes (100GB/s) or bits (400Gb/s, 400Gbps: a "
+                         "lowercase b is a bit); default 100GB/s, an NVLink-class link (the output says when it "
+                         "assumed it): GPUs on PCIe, or links between hosts, are slower")
     hw.add_argument("--reduce-precision", choices=_precision_flag(REDUCE_PRECISIONS), default="none",
                     help="what grads travel in: none (their dtype), fp32, bf16, or int8/int4 blocks with error "
                          "feedback (an 'ef' column); with --hosts only the hop between hosts of hybrid sharding. "
@@ -117,14 +118,18 @@ def _gb(x):
     return "n/a" if x is None else f"{x / 1e9:.2f}"
 
 
-def render(p, marked=None):
+DEFAULT_BANDWIDTH = 100e9  # bytes/s, NVLink-class: what --dp-bandwidth assumes when not given
+
+
+def render(p, marked=None, bandwidth_assumed=False):
     a = p.activations
     lines = [f"zerokern plan: {p.params_total:.4g} params in all, {p.params_per_gpu:.4g} on each GPU; "
              f"dp={p.dp} tp={p.tp} pp={p.pp}, {p.dtype}, Adam with {p.state_precision} moments"
              + ("" if p.master_weights or p.dtype == "fp32" else ", no fp32 masters")
              + (", optimizer offloaded to CPU" if p.offload_optimizer else ""),
              f"  {p.formula}",
-             "GB per GPU (1 GB = 1e9 bytes); " + (
+             ("" if p.hosts == 1 else f"flat sharding over all {p.dp} ranks (hybrid: the hosts table below); ")
+             + "GB per GPU (1 GB = 1e9 bytes); " + (
                  f"fits in {_gb(p.gpu_memory_bytes)} GB = model states only, headroom left for activations "
                  "(give --seq-len to count them)" if a is None else
                  f"fits in {_gb(p.gpu_memory_bytes)} GB = model states + activations ({a.micro_batch} x {a.seq} "
@@ -158,7 +163,9 @@ def render(p, marked=None):
                  f"{p.dp_bandwidth_bytes_per_s / 1e9:g} GB/s (ring; 2x params for stages 0-2, 3x for stage 3"
                  + (")" if p.reduce_precision is None and p.gather_precision is None else
                     f"; grads in {p.reduce_precision or p.dtype}, params gathered in {p.gather_precision or p.dtype}: "
-                    "[Note: bytes on the wire] in zerokern/plan/traffic.py)"))
+                    "[Note: bytes on the wire] in zerokern/plan/traffic.py)")
+                 + ("; 100 GB/s is the default --dp-bandwidth, an NVLink-class link: GPUs on PCIe (about 25 GB/s "
+                    "for PCIe 4.0 x16) or a link between hosts are slower, so pass yours" if bandwidth_assumed else ""))
     if quantized(p.reduce_precision):
         lines.append("ef: error feedback of int8/int4 reductions, bf16 residuals of what a rank quantizes (flat: the "
                      "whole grads, plus 1/dp at stage 0 on > 2 ranks), committed and pending: 4 bytes per element "
@@ -188,25 +195,47 @@ def render(p, marked=None):
         unit, scale = ("GB", 1e9) if max(s.intra_host_bytes + s.hybrid_intra_host_bytes for s in p.stages) >= 1e9 \
             else ("MB", 1e6)
         rows = [["stage", f"flat {unit} across", f"flat {unit} within", f"hybrid {unit} across",
-                 f"hybrid {unit} within", "hybrid saves", f"hybrid total {unit}/GPU"] + (["of which ef"] if ef else [])]
+                 f"hybrid {unit} within", "hybrid saves", f"hybrid total {unit}/GPU"] + (["of which ef"] if ef else [])
+                + ["hybrid fits (headroom GB)", ""]]
+        hybrid_best = p.smallest_fitting_hybrid_stage
         for s in p.stages:
             cells = [s.inter_host_bytes, s.intra_host_bytes, s.hybrid_inter_host_bytes, s.hybrid_intra_host_bytes]
             rows.append([str(s.stage)] + [f"{x / scale:.2f}" for x in cells]
                         + [f"{s.inter_host_bytes / s.hybrid_inter_host_bytes:.2f}x"]
                         + [f"{x / scale:.2f}" for x in [s.hybrid_total_bytes] + ([s.hybrid_error_feedback_bytes] if ef
-                                                                                  else [])])
+                                                                                  else [])]
+                        + [f"{'yes' if s.hybrid_fits else 'no'} ({_gb(p.gpu_memory_bytes - s.hybrid_total_bytes)})",
+                           "<- smallest stage that fits, hybrid" if s.stage == hybrid_best else ""])
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines += ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+        lines += ["  ".join(c.rjust(w) if 0 < i < len(r) - 1 else c.ljust(w)
+                            for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows]
     if p.pp > 1:
         lines.append(f"pipeline bubble: (pp-1)/(m+pp-1) = {p.pipeline_bubble:.1%} with m={p.micro_batches} micro-batches")
     if p.offload_optimizer:
         lines.append("offload applies from stage 1 on (ZeRO-Offload moves the sharded optimizer state); "
                      "stage 0 keeps it on the GPU")
-    if best is None:
-        lines.append("no stage fits: raise dp, tp or pp, or offload the optimizer (--offload-optimizer cpu)"
-                     + ("" if p.activations is None else "; for activations --checkpointing full or a smaller "
-                        "--micro-batch-size or --seq-len (the table above)"))
+    lines += _verdict(p)
     return "\n".join(lines)
+
+
+def _verdict(p):
+    """One verdict that names the layout it judges: flat sharding over all dp ranks (the first
+    table), and with --hosts also hybrid sharding (the hosts table), so it agrees with both."""
+    fix = ("raise dp, tp or pp, or offload the optimizer (--offload-optimizer cpu)"
+           + ("" if p.activations is None else "; for activations --checkpointing full or a smaller "
+              "--micro-batch-size or --seq-len (the table above)"))
+    flat, gb = p.smallest_fitting_stage, _gb(p.gpu_memory_bytes)
+    flat_says = ("no stage fits" if flat is None else
+                 f"stage {flat} is the smallest that fits, {_gb(p.stages[flat].total_bytes)} of {gb} GB")
+    if p.hosts == 1:
+        return [f"verdict for flat sharding over {p.dp} ranks: {flat_says}" + ("" if flat is not None else f": {fix}")]
+    hybrid = p.smallest_fitting_hybrid_stage
+    if flat is None and hybrid is None:
+        return [f"verdict: no stage fits, with flat sharding over {p.dp} ranks or hybrid over {p.hosts} hosts: {fix}"]
+    hybrid_says = ("no stage fits" if hybrid is None else
+                   f"stage {hybrid} is the smallest that fits, {_gb(p.stages[hybrid].hybrid_total_bytes)} of {gb} GB")
+    return [f"verdict for hybrid sharding, mesh=({p.hosts}, {p.dp // p.hosts}) (the hosts table): {hybrid_says}; "
+            f"for flat sharding over {p.dp} ranks (the first table): {flat_says}"]
 
 
 def _activation_lines(p):
@@ -232,7 +261,8 @@ def main(argv=None):
         p = plan(args.params, layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab,
                  ffn_hidden=args.ffn_hidden, arch=args.arch, kv_heads=args.kv_heads, dp=args.dp, tp=args.tp, pp=args.pp, dtype=args.dtype,
                  offload_optimizer=args.offload_optimizer, gpu_memory=args.gpu_memory,
-                 micro_batches=args.micro_batches, dp_bandwidth=args.dp_bandwidth,
+                 micro_batches=args.micro_batches,
+                 dp_bandwidth=DEFAULT_BANDWIDTH if args.dp_bandwidth is None else args.dp_bandwidth,
                  bucket_cap_mb=args.bucket_cap_mb, unit_params=args.unit_params, root_params=args.root_params,
                  state_precision=args.state_precision, master_weights=not args.no_master_weights,
                  hosts=args.hosts, seq=args.seq_len, micro_batch_size=args.micro_batch_size,
@@ -242,9 +272,10 @@ def main(argv=None):
     except ValueError as e:
         ap.error(str(e))  # exit code 2
     if args.json:
-        print(json.dumps(dict(p.to_dict(), marked_stage=args.stage), indent=1))
+        print(json.dumps(dict(p.to_dict(), marked_stage=args.stage, dp_bandwidth_assumed=args.dp_bandwidth is None),
+                         indent=1))
     else:
-        print(render(p, args.stage))
+        print(render(p, args.stage, bandwidth_assumed=args.dp_bandwidth is None))
     return 0
 
 

@@ -118,6 +118,7 @@ class StagePlan:
     hybrid_inter_host_bytes: Optional[float] = None
     hybrid_intra_host_bytes: Optional[float] = None
     hybrid_total_bytes: Optional[float] = None  # per GPU, sharded within a host only
+    hybrid_fits: Optional[bool] = None  # hybrid_total_bytes <= gpu_memory (None with one host)
     # int8/int4 reductions' residuals at their peak in a step ([Note: error feedback memory] in
     # traffic.py), in total_bytes; hybrid's (shard-sized) is in hybrid_total_bytes
     error_feedback_bytes: float = 0.0
@@ -161,11 +162,19 @@ class Plan:
 
     @property
     def smallest_fitting_stage(self) -> Optional[int]:
+        """With flat sharding over all dp ranks (the stages' own columns)."""
         return next((s.stage for s in self.stages if s.fits), None)
+
+    @property
+    def smallest_fitting_hybrid_stage(self) -> Optional[int]:
+        """With hybrid sharding (hosts > 1: mesh=(hosts, dp/hosts)); None with one host or none fits."""
+        return next((s.stage for s in self.stages if s.hybrid_fits), None)
 
     def to_dict(self):
         d = asdict(self)
         d["smallest_fitting_stage"] = self.smallest_fitting_stage
+        if self.hosts > 1:
+            d["smallest_fitting_hybrid_stage"] = self.smallest_fitting_hybrid_stage
         if self.activations is not None:
             d["activations"] = self.activations.to_dict()
             d["largest_micro_batch"] = self.largest_micro_batch
@@ -350,6 +359,7 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
             stages[-1] = replace(stages[-1], inter_host_bytes=wire.across, intra_host_bytes=wire.within,
                                  hybrid_inter_host_bytes=hybrid.across, hybrid_intra_host_bytes=hybrid.within,
                                  hybrid_total_bytes=local.total_bytes + act,
+                                 hybrid_fits=local.total_bytes + act <= gpu_memory,
                                  hybrid_error_feedback_bytes=hybrid_feedback)
     return Plan(params_total=total, params_per_gpu=per_gpu, dp=dp, tp=tp, pp=pp, dtype=dtype,
                 offload_optimizer="cpu" if offload else None, gpu_memory_bytes=gpu_memory,

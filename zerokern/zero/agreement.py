@@ -14,6 +14,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from .core.errors import fields_of, which_differ
 from .grads import ddp_guard
 
 _MAX = torch.distributed.ReduceOp.MAX
@@ -186,15 +187,14 @@ class Agreement:
         """Every rank built the optimizer over the same params (shapes, dtypes, order, groups) and
         options, or every rank raises, listing each rank's."""
         desc = repr(([(tuple(p.shape), str(p.dtype), p.requires_grad) for p in params], group_sizes))
-        mine = (hashlib.sha256(desc.encode()).hexdigest()[:16], len(params), sum(p.numel() for p in params),
-                repr(config.agreed()), options)
+        mine = {"params": len(params), "elements": sum(p.numel() for p in params),
+                "the params' shapes/dtypes/order/groups": "#" + hashlib.sha256(desc.encode()).hexdigest()[:16],
+                **fields_of(config.agreed()), "options": options}
         everyone = comm.differing(mine, f"{what}(...)")
         if everyone is not None:
-            lines = [f"rank {r}: {n} params, {numel} elements, shapes/dtypes/order/groups #{h}, {cfg}, {opts}"
-                     for r, (h, n, numel, cfg, opts) in enumerate(everyone)]
             raise ValueError(f"{what}: the ranks passed different parameters (shapes, dtypes or order) or "
-                             "options; every rank must build the optimizer for the same model:\n  "
-                             + "\n  ".join(lines))
+                             "options; every rank must build the optimizer for the same model. The ranks differ in "
+                             + which_differ(everyone))
 
     # --- zerokern.GradScaler ---------------------------------------------------------
 

@@ -125,8 +125,9 @@ class FlatParams:
         g = m.param.grad
         if g is m.bound:
             if isinstance(g, ShardedGrad) and g.kind is CONSUMED:
-                bucket.stale_accumulation = True  # a grad the last step used, still held: step() raises
+                bucket.stale.add(i)  # a grad the last step used, still held: step() raises
             return
+        bucket.stale.discard(i)  # dropped or replaced since (model.zero_grad(), p.grad = None): as torch
         self.grads.grad_changed(self, i)
         if g is None:
             bucket.clear_got(i)

@@ -60,7 +60,9 @@ class GradBucket:
         # By position in plan.tensors: the member has a grad, as torch's p.grad is not None: set by
         # backward, kept across step() where the buffer is kept (stages 0/1), cleared by None.
         self.got: List[bool] = [False] * len(plan.tensors)
-        self.stale_accumulation = False  # a backward added to a grad step() had consumed (freed)
+        # Members whose grad is one step() had consumed (freed), then added to or stepped again, and
+        # not dropped or zeroed since: step() raises ([Note: grads after step] in placeholder.py).
+        self.stale: set = set()
         self._pos = {t: k for k, t in enumerate(plan.tensors)}
         self._range = layout.rank_range(rank, plan.index)  # this rank's [start, end) of the bucket
         self._gaps = layout.gaps(plan.index)  # what no member holds (zero(): a quantized all-reduce)
@@ -180,6 +182,11 @@ class GradBucket:
             self.note_write()  # in place: the average is now what the buffer holds
         self.state = BucketState.REDUCED
 
+    @property
+    def stale_accumulation(self) -> bool:
+        """Some member holds a grad from before the last step() that torch would still hold."""
+        return bool(self.stale)
+
     def needs_reduction(self) -> bool:
         """Not reduced this round though it has grads, or a grad came after the launch."""
         return (self.state is BucketState.IDLE and any(self.got)) or self.rewritten
@@ -191,7 +198,7 @@ class GradBucket:
         self.ready.clear()
         self.rewritten = False
         self.reduced_in_round = False
-        self.stale_accumulation = False
+        self.stale.clear()
 
     def zero(self, set_to_none: bool = True) -> None:
         """zero_grad(): -> IDLE, no grads counted (FlatParams.after_zero_grad counts the zero grads

@@ -46,10 +46,15 @@ def _wire(comm, precision, flat, b):
 
 def note_stale(flat, i: int) -> None:
     """A backward adding to a grad step() had consumed and freed (stages 2/3) cannot give torch's
-    numbers: the bucket notes it and step() raises on every rank ([Note: grads after step])."""
-    g = flat.members[i].param.grad
+    numbers: the bucket notes it and step() raises on every rank ([Note: grads after step]). A
+    grad the user dropped or replaced since such a backward (model.zero_grad(), p.grad = None: a
+    GAN's G backward reached D's params after D's step) holds nothing from before: forgotten."""
+    m = flat.members[i]
+    g = m.param.grad
     if isinstance(g, ShardedGrad) and g.kind is CONSUMED:
-        flat.bucket_of(i).stale_accumulation = True
+        flat.bucket_of(i).stale.add(i)
+    elif g is not m.bound:
+        flat.bucket_of(i).stale.discard(i)
 
 
 class LocalGrads:

@@ -23,8 +23,11 @@ step() uses after zero_grad(set_to_none=False). At stages 0/1 the grads stay in 
 across step() and accumulate as torch's do. At stages 2/3 step() frees them (the stage's memory
 saving); a param that had a grad then holds a CONSUMED placeholder, as torch would still hold
 its grad. A backward that adds to it, or a step() that would use it again (no zero_grad() in
-between), cannot give torch's numbers: the bucket notes it (stale_accumulation) and step()
-raises on every rank after one agreement, before any update. zero_() of a CONSUMED placeholder
+between), cannot give torch's numbers: the bucket notes the member (bucket.stale) and step()
+raises on every rank after one agreement, before any update. Unless the grad is dropped first, as
+torch would drop it: model.zero_grad(), p.grad = None or zero_() after such a backward (a GAN's
+G backward through D after D's step(), actor-critic, distillation from a trained teacher) forget
+the member, and the next backward starts from nothing. zero_() of a CONSUMED placeholder
 (model.zero_grad(set_to_none=False)) makes it a ZERO one, stepped as torch steps a zero grad.
 """
 
@@ -59,7 +62,9 @@ class ShardedGrad(torch.Tensor):
 
     def zero_in_place(self) -> None:
         """zero_() of the grad: a reduced one is dropped from the shard, a consumed one becomes a
-        zero grad for the next step (as torch zeroes a grad it keeps)."""
+        zero grad for the next step (as torch zeroes a grad it keeps). Either way nothing from before
+        the last step() is left in it ([Note: grads after step])."""
+        self.bucket.stale.discard(self.index)
         if self.kind is REDUCED:
             self.bucket.drop_reduced(self.index)
         elif self.kind is CONSUMED:

@@ -109,6 +109,7 @@ class ReleasingGradBucket(GradBucket):
     def drop_reduced(self, index: int) -> None:
         """Member `index`'s reduced grad is forgotten (.grad set to None, replaced, or zeroed):
         its part of this rank's shard becomes zero."""
+        self.stale.discard(index)  # torch forgets it too: nothing from before the last step() is left
         if not self.has_reduced:
             return
         pc = self.layout.rank_piece(self.rank, index)
@@ -192,7 +193,7 @@ class ReleasingGradBucket(GradBucket):
         self.reduced_in_round = False
         self.has_reduced = False
         self.overflow = None
-        self.stale_accumulation = False
+        self.stale.clear()
         self.got = [False] * len(self.got)
 
     def abandon(self) -> None:

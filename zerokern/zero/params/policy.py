@@ -13,6 +13,7 @@ import hashlib
 
 import torch
 
+from ..core.errors import fields_of, which_differ
 from ..core.stage import ParamMode, Strategy
 from .gather import GatherAfterStep
 from .generate import sync_generate
@@ -102,16 +103,15 @@ class UnitShards(WholeParams):
         """shard() runs collectives from here on: every rank must shard the same params with the
         same options, or every rank raises, listing what each has (a mismatch would otherwise pair
         broadcasts of other sizes)."""
-        desc = repr((config, [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for p, n in zip(params, names)]))
-        mine = (hashlib.sha256(desc.encode()).hexdigest()[:16], len(params), sum(p.numel() for p in params),
-                repr(config))
+        desc = repr([(n, tuple(p.shape), str(p.dtype), p.requires_grad) for p, n in zip(params, names)])
+        mine = {"params": len(params), "elements": sum(p.numel() for p in params),
+                "the params' names/shapes/dtypes/requires_grad": "#" + hashlib.sha256(desc.encode()).hexdigest()[:16],
+                **fields_of(config)}
         everyone = comm.differing(mine, f"zerokern.shard({type(module).__name__}, stage=3)")
         if everyone is not None:
-            lines = [f"rank {r}: {n} params, {numel} elements, names/shapes/dtypes #{h}, {cfg}"
-                     for r, (h, n, numel, cfg) in enumerate(everyone)]
             raise ValueError(f"zerokern.shard({type(module).__name__}, stage=3): the ranks shard different params "
-                             "or options; every rank must shard the same model the same way:\n  "
-                             + "\n  ".join(lines))
+                             "or options; every rank must shard the same model the same way. The ranks differ in "
+                             + which_differ(everyone))
 
     def after_unit(self, comm, module, unit, is_unit, unit_of) -> None:
         """The unit's params go to its model's stage-3 runtime, which keeps this rank's slices

@@ -7,8 +7,8 @@ rewrites them for its host pass too) and nothing else changed, is compiled by th
 with csrc/emu/simt.h force-included, CUDA's own half/bfloat16 headers, and -fsanitize=alignment
 (a misaligned access faults on a GPU; here simt.cpp reports it). The library is cached under
 build/simt_emu/<hash of the sources and flags>/, built once per change (a file lock serialises
-pytest-xdist's workers). ZEROKERN_EMU_CUDA_SRC builds another copy of csrc/cuda instead (the
-mutation check, tests/scripts/mutate_cuda.py).
+pytest-xdist's workers). ZEROKERN_EMU_CUDA_SRC builds another copy of csrc/cuda instead, and
+ZEROKERN_EMU_BUILD_DIR puts the build elsewhere (the mutation check, tests/scripts/mutate_cuda.py).
 
 Needs a C++ compiler and the CUDA toolkit's headers (CUDA_HOME, or the nvcc on PATH): where the
 toolkit is missing the tests skip, unless ZEROKERN_CUDA=1 (CI) says it is expected, then they fail.
@@ -31,6 +31,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EMU_DIR = ROOT / "csrc" / "emu"
 EMU_SOURCES = ["simt.cpp", "kernels_api.cpp"]  # with simt.h and include/cuda_runtime.h: all of csrc/emu
+EMU_KERNELS = ["selftest.cu"]  # the emulator's own checks (tests/test_simt_emulator.py)
 CUDA_SOURCES = ["adam_cuda.cu", "adam_cuda_f32.cu", "adam_cuda_f16.cu", "adam_cuda_bf16.cu", "cast_cuda.cu",
                 "lowbit_cuda.cu", "wire_cuda.cu"]
 # -ffp-contract=off: every product rounded (the emulator does not guess nvcc's FMAs; simt.h says so).
@@ -93,26 +94,28 @@ def _build(cuda_src, home):
     cxx = _compiler()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     files = sorted(p for d in (cuda_src, EMU_DIR, ROOT / "csrc" / "include") for p in d.rglob("*") if p.is_file())
-    digest = hashlib.sha256("\0".join(FLAGS + KERNEL_FLAGS + [version, str(home), str(cuda_src)]).encode())
+    digest = hashlib.sha256("\0".join(FLAGS + KERNEL_FLAGS + CUDA_SOURCES + EMU_SOURCES + EMU_KERNELS +
+                                      [version, str(home), str(cuda_src)]).encode())
     for p in files:
         digest.update(str(p).encode() + b"\0" + p.read_bytes())
-    out = ROOT / "build" / "simt_emu" / digest.hexdigest()[:16]
+    root = pathlib.Path(os.environ.get("ZEROKERN_EMU_BUILD_DIR", ROOT / "build" / "simt_emu"))
+    out = root / digest.hexdigest()[:16]
     lib = out / "libzk_simt.so"
     if lib.exists():
         return lib
-    (ROOT / "build" / "simt_emu").mkdir(parents=True, exist_ok=True)
-    with open(ROOT / "build" / "simt_emu" / ".lock", "w") as lock:
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another test process may be building the same library
         if lib.exists():
             return lib
         src = out / "src"
         src.mkdir(parents=True, exist_ok=True)
-        for p in sorted(cuda_src.iterdir()):
+        for p in [*sorted(cuda_src.iterdir()), *(EMU_DIR / n for n in EMU_KERNELS)]:
             if p.suffix in (".cu", ".cuh"):
                 (src / p.name).write_text(translate(p.read_text(), str(p)))
         include = ["-I", str(EMU_DIR / "include"), "-I", str(ROOT / "csrc" / "include"), "-I", str(home / "include")]
         common = [cxx, *FLAGS, "-include", str(EMU_DIR / "simt.h"), *include]
-        jobs = [(src / n, [*KERNEL_FLAGS, "-x", "c++"]) for n in CUDA_SOURCES]
+        jobs = [(src / n, [*KERNEL_FLAGS, "-x", "c++"]) for n in CUDA_SOURCES + EMU_KERNELS]
         jobs += [(EMU_DIR / n, []) for n in EMU_SOURCES]
 
         def compile_one(job):

@@ -29,5 +29,6 @@ def test_the_emulated_build_compiles_every_cuda_file_and_the_emulator():
 
     cuda = {p.name for p in (ROOT / "csrc" / "cuda").glob("*.cu")}
     assert cuda == set(simt_emu.CUDA_SOURCES), f"CUDA_SOURCES differ: {sorted(cuda ^ set(simt_emu.CUDA_SOURCES))}"
-    emu = {p.name for p in (ROOT / "csrc" / "emu").glob("*.cpp")}
-    assert emu == set(simt_emu.EMU_SOURCES), f"EMU_SOURCES differ: {sorted(emu ^ set(simt_emu.EMU_SOURCES))}"
+    emu = {p.name for p in (ROOT / "csrc" / "emu").glob("*.c*")}
+    named = set(simt_emu.EMU_SOURCES + simt_emu.EMU_KERNELS)
+    assert emu == named, f"EMU_SOURCES and EMU_KERNELS differ from csrc/emu: {sorted(emu ^ named)}"

@@ -35,7 +35,9 @@ HAS_CPU = ops.available_backends().get("cpu", False)
 FLOATS = [torch.float32, torch.float16, torch.bfloat16]
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05)
 ADAM_TOL = (2e-6, 1e-7)  # test_adam.py's TOL: the same fp32 arithmetic in another order (bias correction)
-GUARD = 16  # elements of guard on each side (64 or 32 bytes: the view's start stays 16-byte aligned at offset 0)
+# Guard elements before each tensor (64 or 32 bytes: the view's start stays 16-byte aligned at offset 0) and
+# after it (more than a tile: a tail that takes the vector path writes up to a tile past the end).
+GUARD, GUARD_AFTER = 16, 4096
 SENTINEL = 0xA5
 
 
@@ -50,10 +52,10 @@ class Arena:
     def __init__(self):
         self.placed = []
 
-    def put(self, values, offset=0):
+    def put(self, values, offset=0, after=GUARD_AFTER):
         values = values.reshape(-1)
         n = values.numel()
-        buf = torch.empty(2 * GUARD + offset + n, dtype=values.dtype)
+        buf = torch.empty(GUARD + offset + n + after, dtype=values.dtype)
         buf.view(torch.uint8).fill_(SENTINEL)
         view = buf[GUARD + offset:GUARD + offset + n]
         view.copy_(values)
@@ -102,7 +104,7 @@ def assert_same_bits(got, want, what):
 # whole tile, empty, and each stream alone misaligned (the tensor then takes the scalar path).
 ADAM_CASES = [(1, 0, 0, 0, 0, 0), (5, 0, 1, 0, 0, 0), (1023, 0, 0, 0, 0, 0), (1024, 0, 0, 0, 0, 0),
               (2048, 0, 0, 0, 0, 0), (2049, 0, 0, 0, 0, 1), (0, 0, 0, 0, 0, 0), (4100, 1, 0, 0, 0, 0),
-              (3000, 0, 0, 2, 0, 0), (1500, 0, 0, 0, 3, 0), (4096 + 17, 0, 0, 0, 0, 0)]
+              (3000, 0, 0, 2, 0, 0), (1500, 0, 0, 0, 3, 0), (4096 + 17, 0, 0, 0, 0, 0), (2100, 0, 1, 0, 0, 0)]
 
 
 def adam_state(cases, grad_dtype, model_dtype, seed=0):
@@ -193,9 +195,12 @@ def test_adam_kernel_lists_span_launches():
     m, v = [torch.zeros(n) for n in sizes], [torch.zeros(n) for n in sizes]
     model = [torch.empty(n, dtype=torch.bfloat16) for n in sizes]
     want = [[t.clone() for t in lst] for lst in (params, grads, m, v, model)]
+    arena = Arena()
+    params, grads, m, v, model = ([arena.put(t, after=64) for t in lst] for lst in (params, grads, m, v, model))
     with emu.emulated() as log:
         emu.fused_adam(params, grads, m, v, model, step=1, **HYPER)
     assert len(launched(log, "adam_kernel")) == batches([(i % 3, n) for i, n in enumerate(sizes)], 224) == 6
+    arena.check()
     ops.fused_adam_(*want[:4], model_params=want[4], step=1, backend="cpu" if HAS_CPU else "torch", **HYPER)
     if HAS_CPU:
         for k, got in enumerate((params, m, v, model)):
@@ -210,10 +215,11 @@ def test_adam_kernel_reads_lr_step_scale_and_found_inf_from_memory():
     non-zero changes nothing (model params included), zero steps as usual."""
     cases = [(1000, 0, 0, 0, 0, 0), (33, 0, 1, 0, 0, 0)]
     state = adam_state(cases, torch.float16, torch.float16, seed=3)
-    a = [[t.clone() for t in tensors] for tensors in state]
-    b = [[t.clone() for t in tensors] for tensors in state]
+    arena = Arena()
+    a = [[arena.put(t, off) for t, off in zip(tensors, case[1:])] for tensors, case in zip(state, cases)]
+    b = [[arena.put(t, off) for t, off in zip(tensors, case[1:])] for tensors, case in zip(state, cases)]
     for tensors in b:
-        tensors[1] = (tensors[1].float() * 1024).half()  # exact: a power of two
+        tensors[1].copy_((tensors[1].float() * 1024).half())  # exact: a power of two
     cols = lambda s: [list(c) for c in zip(*s)]  # noqa: E731
     ca, cb = cols(a), cols(b)
     kw = {k: v for k, v in HYPER.items() if k != "lr"}
@@ -232,6 +238,7 @@ def test_adam_kernel_reads_lr_step_scale_and_found_inf_from_memory():
     with emu.emulated():
         emu.fused_adam(*ca[:4], ca[4], lr=0.01, step=4, found_inf=torch.zeros(1), **kw)
     assert not torch.equal(ca[0][0], before[0][0])
+    arena.check()
 
 
 def test_adam_kernel_inf_and_nan_grads_as_the_cpu_kernel():
@@ -303,18 +310,21 @@ def test_cast_kernel_flatten_many_segments_spans_launches(device):
     the flat buffer, most of them misaligned): more segments than a launch holds (320)."""
     sizes = [(i * 7) % 13 + (300 if i % 50 == 0 else 0) for i in range(700)]
     srcs = [cast_values(n, FLOATS[i % 3], i) for i, n in enumerate(sizes)]
-    flat = torch.zeros(sum(sizes), dtype=torch.bfloat16)
+    arena = Arena()
+    flat = arena.put(torch.zeros(sum(sizes), dtype=torch.bfloat16))
     dsts = list(torch.split(flat, sizes))
     with emu.emulated(device=device) as log:
         emu.cast_copy(srcs, dsts)
+    arena.check()
     assert len(launched(log, "cast_kernel")) == batches([(i % 3, n) for i, n in enumerate(sizes)], 320) == 3
     want = ops.flatten(srcs, torch.bfloat16, backend="torch")
     nan = want.isnan()
     assert torch.equal(flat.isnan(), nan) and same_bits(flat[~nan], want[~nan])
     # and back, unflatten_into's direction: one dtype pair, several launches
-    back = [torch.empty(n, dtype=torch.float32) for n in sizes]
+    back = [arena.put(torch.zeros(n)) for n in sizes]
     with emu.emulated(device=device) as log:
         emu.cast_copy(dsts, back)
+    arena.check()
     assert len(launched(log, "cast_kernel")) == batches([(0, n) for n in sizes], 320) == 3
     for i, (b, s) in enumerate(zip(back, dsts)):
         assert same_bits(b, s.float()), f"segment {i}"
@@ -414,7 +424,11 @@ def test_lowbit_kernel_inf_and_nan_blocks_as_the_reference():
         kw = dict(exp_avg_scales=[ms], exp_avg_sq_scales=[vs], index_bases=[0], seed=0, step=2, **HYPER)
         with emu.emulated():
             if runner == "emulated":
-                emu.fused_adam_lowbit([p.clone()], [g], [mc], [vc], maps=L.maps("cpu"), **kw)
+                arena = Arena()
+                mc, vc, ms, vs = (arena.put(t) for t in (mc, vc, ms, vs))
+                kw.update(exp_avg_scales=[ms], exp_avg_sq_scales=[vs])
+                emu.fused_adam_lowbit([arena.put(p)], [arena.put(g)], [mc], [vc], maps=L.maps("cpu"), **kw)
+                arena.check()
             else:
                 fused_adam_lowbit_([p.clone()], [g], [mc], [vc], backend="torch", **kw)
         outs.append((mc, vc, ms, vs))

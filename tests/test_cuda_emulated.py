@@ -38,7 +38,7 @@ ADAM_TOL = (2e-6, 1e-7)  # test_adam.py's TOL: the same fp32 arithmetic in anoth
 # Guard elements before each tensor (64 or 32 bytes: the view's start stays 16-byte aligned at offset 0) and
 # after it (more than a tile: a tail that takes the vector path writes up to a tile past the end).
 GUARD, GUARD_AFTER = 16, 4096
-SENTINEL = 0xA5
+SENTINEL = 0xA5  # the first tensor's guard byte; the next ones' differ (a copy of a guard is a change)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -56,19 +56,20 @@ class Arena:
         values = values.reshape(-1)
         n = values.numel()
         buf = torch.empty(GUARD + offset + n + after, dtype=values.dtype)
-        buf.view(torch.uint8).fill_(SENTINEL)
+        sentinel = (SENTINEL + 37 * len(self.placed)) & 0xFF
+        buf.view(torch.uint8).fill_(sentinel)
         view = buf[GUARD + offset:GUARD + offset + n]
         view.copy_(values)
         assert offset % (16 // buf.element_size()) != 0 or view.data_ptr() % 16 == 0
-        self.placed.append((buf, GUARD + offset, GUARD + offset + n))
+        self.placed.append((buf, GUARD + offset, GUARD + offset + n, sentinel))
         return view
 
     def check(self):
-        for i, (buf, lo, hi) in enumerate(self.placed):
+        for i, (buf, lo, hi, sentinel) in enumerate(self.placed):
             raw, size = buf.view(torch.uint8), buf.element_size()
             outside = torch.cat([raw[:lo * size], raw[hi * size:]])
-            assert bool((outside == SENTINEL).all()), f"tensor {i}: a write outside it, at bytes " \
-                f"{(outside != SENTINEL).nonzero().flatten()[:8].tolist()} of its guards"
+            assert bool((outside == sentinel).all()), f"tensor {i}: a write outside it, at bytes " \
+                f"{(outside != sentinel).nonzero().flatten()[:8].tolist()} of its guards"
 
 
 def batches(groups, per_launch):
@@ -348,8 +349,9 @@ def lowbit_inputs(fmt, param_dtype, grad_dtype, seed):
             state, scales = [mc, vc], [ms, vs]
         else:
             state, scales = ([m.bfloat16(), v.bfloat16()] if fmt == "bf16" else [m, v]), [None, None]
+        # fp32 masters write a 16-bit model copy (fp16 with fp16 grads), but with fp32 grads none
         model_dtype = torch.float16 if grad_dtype == torch.float16 else torch.bfloat16
-        model = torch.zeros(n, dtype=model_dtype) if param_dtype == torch.float32 else None
+        model = torch.zeros(n, dtype=model_dtype) if param_dtype == torch.float32 != grad_dtype else None
         rows.append([p, g, state[0], state[1], scales[0], scales[1], model])
     return rows
 
@@ -468,8 +470,8 @@ def special_chunk(n, seed=0):
 
 _gen = torch.Generator().manual_seed(1)
 WIRE_CHUNKS = {"1": torch.randn(1, generator=_gen), "63": torch.randn(63, generator=_gen) * 1e3,
-               "65": torch.randn(65, generator=_gen), "special-397": special_chunk(397),
-               "special-384": special_chunk(384)}  # whole blocks only
+               "65": torch.randn(65, generator=_gen), "254": torch.randn(254, generator=_gen),  # an even tail
+               "special-397": special_chunk(397), "special-384": special_chunk(384)}  # whole blocks only
 
 
 def emulated_encode(arena, x, bits, key, stochastic, error_dtype=None, residual=None, x_offset=1, out_offset=1):

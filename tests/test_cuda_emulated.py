@@ -351,7 +351,8 @@ def lowbit_inputs(fmt, param_dtype, grad_dtype, seed):
             state, scales = ([m.bfloat16(), v.bfloat16()] if fmt == "bf16" else [m, v]), [None, None]
         # fp32 masters write a 16-bit model copy (fp16 with fp16 grads), but with fp32 grads none
         model_dtype = torch.float16 if grad_dtype == torch.float16 else torch.bfloat16
-        model = torch.zeros(n, dtype=model_dtype) if param_dtype == torch.float32 != grad_dtype else None
+        with_model = param_dtype == torch.float32 and grad_dtype != torch.float32
+        model = torch.zeros(n, dtype=model_dtype) if with_model else None
         rows.append([p, g, state[0], state[1], scales[0], scales[1], model])
     return rows
 

@@ -145,6 +145,23 @@ class SayEachFile:
                 return
 
 
+def torch_libstdcxx():
+    """The libstdc++.so.6 this process (torch) runs with, as a link input; [] where none is found.
+
+    [Note: one libstdc++] The extensions must use the C++ runtime torch uses. A toolchain that
+    has only a static libstdc++ (the GPU image's /opt/gcc, picked by its CXX) linked a private
+    copy into each extension, and every error message that formats a number (c10::str of a size)
+    segfaulted in that copy's ostream: found on the first GPU run, CPU and CUDA ops alike. Naming
+    the shared library first makes the linker take std:: from it, whatever the toolchain's
+    default; with an ordinary g++ it is the library it would have linked anyway."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/libstdc++.so" in line}
+    except OSError:  # not Linux
+        return []
+    return sorted(paths)[:1]
+
+
 def write_build_info(built_cuda, reason, archs):
     # Read by zerokern.backends to explain an unavailable backend.
     path = os.path.join(ROOT, "zerokern", "_build_info.py")
@@ -195,7 +212,7 @@ def extensions():
             ],
             include_dirs=include,
             extra_compile_args={"cxx": cxx},
-            extra_link_args=["-fopenmp"],
+            extra_link_args=["-fopenmp"] + torch_libstdcxx(),
         )
     ]
 
@@ -225,6 +242,7 @@ def extensions():
                     "cxx": ["-O3", "-g0", "-DZEROKERN_WITH_CUDA"],
                     "nvcc": ["-O3", "-DZEROKERN_WITH_CUDA", "-lineinfo"],
                 },
+                extra_link_args=torch_libstdcxx(),
             )
         )
         summary = f"zerokern: building CPU and CUDA extensions (archs {archs}; {reason})"

@@ -90,6 +90,16 @@ def _compiler():
     return cxx
 
 
+def _shared_libstdcxx():
+    """The libstdc++ this process runs with, named first on the link line: [Note: one libstdc++] in
+    setup.py (a toolchain with only a static one would put a private copy in the library)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return sorted({line.split()[-1] for line in maps if "/libstdc++.so" in line})[:1]
+    except OSError:
+        return []
+
+
 def _build(cuda_src, home):
     cxx = _compiler()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
@@ -129,8 +139,8 @@ def _build(cuda_src, home):
         with ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1))) as pool:
             objects = list(pool.map(compile_one, jobs))
         tmp = out / f"libzk_simt.{os.getpid()}.so"
-        proc = subprocess.run([cxx, "-shared", "-Wl,-Bsymbolic", "-o", str(tmp), *map(str, objects)],
-                              capture_output=True, text=True)
+        proc = subprocess.run([cxx, "-shared", "-Wl,-Bsymbolic", "-o", str(tmp), *_shared_libstdcxx(),
+                               *map(str, objects)], capture_output=True, text=True)
         if proc.returncode:
             raise RuntimeError(f"linking the emulated build failed:\n{proc.stderr[-6000:]}")
         os.replace(tmp, lib)

@@ -32,3 +32,24 @@ def test_the_emulated_build_compiles_every_cuda_file_and_the_emulator():
     emu = {p.name for p in (ROOT / "csrc" / "emu").glob("*.c*")}
     named = set(simt_emu.EMU_SOURCES + simt_emu.EMU_KERNELS)
     assert emu == named, f"EMU_SOURCES and EMU_KERNELS differ from csrc/emu: {sorted(emu ^ named)}"
+
+
+def test_the_built_extensions_use_the_shared_libstdcxx_torch_runs_with():
+    """[Note: one libstdc++] in setup.py: an extension with a private, static libstdc++ segfaulted
+    on every error message that formats a number (seen on the GPU image, whose compiler has no
+    shared libstdc++). Each built extension must name libstdc++.so.6 as a shared library it needs."""
+    import shutil
+    import subprocess
+
+    import pytest
+
+    readelf = shutil.which("readelf")
+    if readelf is None:
+        pytest.skip("readelf (binutils) is not installed")
+    import zerokern  # noqa: F401  the package whose extensions the tests import
+    built = sorted(pathlib.Path(zerokern.__file__).parent.glob("_C*.so"))
+    if not built:
+        pytest.skip("no extension is built")
+    for so in built:
+        dynamic = subprocess.run([readelf, "-d", str(so)], capture_output=True, text=True, check=True).stdout
+        assert "[libstdc++.so.6]" in dynamic, f"{so.name} does not load libstdc++.so.6: {dynamic[:2000]}"

@@ -21,8 +21,11 @@ KEY = (2**64 - 5, 7, 1, 999)  # seed (above 2^63: the op's int64 sees it negativ
 
 
 def bits_of(t):
-    """fp32 as its int32 bit patterns: NaN == NaN and -0.0 != 0.0 when compared."""
-    return t.contiguous().view(torch.int32)
+    """fp32 as its int32 bit patterns, every NaN as torch's one: -0.0 != 0.0 and NaN == NaN when compared.
+    A NaN's payload is no part of the format: x86 keeps the NaN operand's (0 x the NaN scale gives
+    0x7FC00000), a GPU writes its canonical 0x7FFFFFFF (seen on an H200, the CUDA and Triton kernels)."""
+    t = t.contiguous()
+    return torch.where(torch.isnan(t), torch.full_like(t, float("nan")), t).view(torch.int32)
 
 
 def special_chunk(n=1337, seed=0):

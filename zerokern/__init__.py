@@ -10,7 +10,7 @@ import sys
 
 __all__ = ["ops", "FusedAdam", "FusedZeroAdam", "ZeroOptimizer", "GradScaler", "OffloadPolicy", "shard",
            "full_state_dict", "available_backends", "unavailable_backends",
-           "RankLost", "CollectiveMismatch", "WrappedInDDPError", "BackendUnavailableError"]
+           "RankLost", "CollectiveMismatch", "WrappedInDDPError", "BackendUnavailableError", "KernelSelfCheckError"]
 __version__ = "0.1.0"
 
 
@@ -18,7 +18,9 @@ def _load():
     """Import the torch-backed parts; binds the public names (and ops, optim, zero) here."""
     global ops, available_backends, unavailable_backends, FusedAdam, FusedZeroAdam, GradScaler, ZeroOptimizer
     global OffloadPolicy, full_state_dict, shard, RankLost, CollectiveMismatch, WrappedInDDPError, BackendUnavailableError
+    global KernelSelfCheckError
     from .kernels.backends.registry import BackendUnavailableError
+    from .kernels.backends.selfcheck import KernelSelfCheckError
     from .ops import available_backends, unavailable_backends
     from .optim import FusedAdam, FusedZeroAdam, GradScaler, ZeroOptimizer
     from .zero.api import full_state_dict, shard

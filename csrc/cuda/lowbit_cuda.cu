@@ -4,7 +4,7 @@
 // bits are the header's random16 (Philox4x32-10), so every element draws the reference's numbers.
 //
 // Not yet: vector loads, a multi-tensor launch (multi_tensor.cuh's), device-side lr/step/found_inf
-// (the binding reads them on the host). Compiled and linked here; no GPU has run it yet.
+// (the binding reads them on the host). First run on an H200 on 2026-12-04 (block_absmax's fix below).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -29,7 +29,10 @@ __device__ __forceinline__ float block_absmax(float x, uint32_t* shared) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (lane == 0) shared[warp] = a;
   __syncthreads();
-  a = shared[lane & ((kBlock >> 5) - 1)];  // every group of 8 lanes reduces the 8 warps' maxima
+  // Every group of 8 lanes reduces the 8 warps' maxima, so every thread gets the block's absmax: a
+  // reduction of lanes 0-7 alone left lanes 8-31 of each warp with 0, and their codes with the zero
+  // block's (found on the first GPU run, and by the SIMT emulator's tests).
+  a = shared[lane & ((kBlock >> 5) - 1)];
 #pragma unroll
   for (int o = 4; o > 0; o >>= 1) a = max(a, __shfl_xor_sync(0xFFFFFFFFu, a, o));
   __syncthreads();  // shared is reused by the next reduction

@@ -31,7 +31,8 @@
 //                            DAZ cleared during a launch, as nvcc's default -ftz=false)
 // What it does not emulate faithfully: FMA contraction (nvcc fuses a * b + c where it may; here
 // every product is rounded, as in the CPU build: results may differ from a GPU's in the last bit
-// where a kernel does not spell its roundings out); the order of threads between synchronisation
+// where a kernel does not spell its roundings out); the payload of a NaN that arithmetic makes
+// (x86 keeps an operand's, a GPU writes 0x7FFFFFFF); the order of threads between synchronisation
 // points (fixed: forward or reversed, see zk_emu_set_schedule), so a data race shows only as an
 // order dependence; warp divergence inside a warp (lanes run one by one); __launch_bounds__,
 // registers and occupancy; PTX other than what is written here. Intrinsics whose GPU result is an

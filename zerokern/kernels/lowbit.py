@@ -150,6 +150,8 @@ def quantize_by_keys(x: torch.Tensor, signed: bool) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def _maps(device: str):
+    if device != "cpu":  # the CPU's tables, copied: built once per process (~0.2 s), however many devices
+        return [t.to(device) for t in _maps("cpu")]
     out = []
     for signed in (True, False):
         cells, mid = _cells(signed)

@@ -6,6 +6,8 @@ import warnings
 
 import torch
 
+from ..zero.state.swap import NvmeOffloadError
+
 
 class EngineOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True  # GradScaler hands us grad_scale and found_inf; the engine agrees on them
@@ -51,7 +53,12 @@ class EngineOptimizer(torch.optim.Optimizer):
                           "(load_state_dict(..., assign=True) without zerokern.shard), build the optimizer after "
                           "that, as with any torch optimizer", stacklevel=3)
         if step.updates:
-            self._update(step.had, step.divisor)
+            try:
+                self._update(step.had, step.divisor)
+            except NvmeOffloadError:  # on every rank, nothing applied ([Note: NVMe swap])
+                step.skip = True  # the round ends as a skipped step's: grads released, no gather
+                self.engine.finish_step(step)
+                raise
         self.engine.finish_step(step)
         return loss
 

@@ -19,6 +19,7 @@ from ..kernels.ops import fused_adam_
 from . import state_dict as checkpoint
 from ..zero.core.stage import StatePolicy
 from ..zero.engine import ZeroEngine
+from ..zero.state.swap import NvmeOffloadError
 from .engine_optimizer import EngineOptimizer
 from .hyper import check_hyper
 from .lowbit_options import block_slice, check_lowbit_options
@@ -190,6 +191,9 @@ class FusedZeroAdam(EngineOptimizer):
         stores = self.stores
         if isinstance(scale, torch.Tensor) and stores and scale.device != stores[0].device:
             scale = scale.to(stores[0].device)  # offloaded stores update on the CPU
+        if stores and getattr(stores[0], "streams", False):
+            self._update_streamed(had, scale)
+            return
         steps = self._steps
         uniform = len(set(steps)) <= 1 and all(had)
         calls = {}  # (param group, step, with model params) -> (masters, grads, ms, vs, models)
@@ -216,6 +220,47 @@ class FusedZeroAdam(EngineOptimizer):
             self._step_buffer += 1
         else:
             self._step_buffer += torch.tensor(had, dtype=torch.float32)
+
+    def _update_streamed(self, had, scale):
+        """The update over NvmeStores ([Note: NVMe swap]): each shard streamed from disk chunk by chunk,
+        one fused_adam_ call per (param group, step count) and chunk, over the pieces in it. Every rank
+        then says whether its reads and writes all succeeded: only if all did are the new params and
+        state committed; else every rank raises, with nothing changed."""
+        steps = self._steps
+        self.stores[0].swap.flush()  # what went through the mapping (a loaded state dict) reaches the file
+        problem = None
+        for store, pieces in zip(self.stores, self._pieces):
+            if not store.master_valid:
+                store.refresh_master()
+                store.swap.flush()
+
+            def run(lo, hi, master, grad, m, v, model, pieces=pieces):
+                calls = {}
+                for t, off, n, _ in pieces:
+                    a, z = max(off, lo), min(off + n, hi)
+                    if had[t] and a < z:
+                        c = calls.setdefault((self._group_of[t], steps[t] + 1), ([], [], [], [], []))
+                        for lst, x in zip(c, (master, grad, m, v, model)):
+                            if x is not None:
+                                lst.append(x[a - lo:z - lo])
+                for (pg, step), (ps, gs, ms, vs, models) in calls.items():
+                    group = self.param_groups[pg]
+                    fused_adam_(ps, gs, ms, vs, lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
+                                eps=group["eps"], weight_decay=group["weight_decay"], step=step,
+                                adam_w_mode=self.options.adam_w_mode, bias_correction=self.options.bias_correction,
+                                grad_scale=scale, model_params=models or None, backend=self.options.backend)
+            problem = store.stream(run)
+            if problem is not None:
+                break
+        failed = [p for p in self.engine.comm.gather_objects(problem, name="nvme_step") if p]
+        if failed:
+            raise NvmeOffloadError("zerokern: the optimizer step could not read or write its state on disk, so it was "
+                                   "not applied on any rank (the params and the optimizer state are those of the "
+                                   "last step): " + "; ".join(failed))
+        for store, pieces in zip(self.stores, self._pieces):
+            store.commit()
+            self._init_state(store, pieces)  # self.state[p] views the slot just written
+        self._step_buffer += torch.tensor(had, dtype=torch.float32)
 
     def _update_lowbit(self, had, scale):
         """The update over LowBitStores: one fused_adam_lowbit_ call per (param group, step count),

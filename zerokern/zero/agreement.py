@@ -187,7 +187,7 @@ class Agreement:
         options, or every rank raises, listing each rank's."""
         desc = repr(([(tuple(p.shape), str(p.dtype), p.requires_grad) for p in params], group_sizes))
         mine = (hashlib.sha256(desc.encode()).hexdigest()[:16], len(params), sum(p.numel() for p in params),
-                repr(config), options)
+                repr(config.agreed()), options)
         everyone = comm.differing(mine, f"{what}(...)")
         if everyone is not None:
             lines = [f"rank {r}: {n} params, {numel} elements, shapes/dtypes/order/groups #{h}, {cfg}, {opts}"

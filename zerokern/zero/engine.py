@@ -24,6 +24,7 @@ from .grads.path import grad_path
 from .grads.schedule import ReduceSchedule
 from .options import sharding
 from .params.policy import param_policy
+from .state import nvme_store
 from .state.lowbit_store import LowBitStore
 from .state.store import ShardStore
 from .step import Piece, RoundFlags, Step
@@ -85,8 +86,18 @@ class ZeroEngine:
                              f"{strategy.stage} needs fp32 master weights: the params hold the gathered values, "
                              "within one int8 step of the masters, and the masters what was trained exactly. Pass "
                              "master_weights=True, or gather_precision=None")
-        self.stores = [ShardStore(f, b, config.offload, state_keys, holds_gathered=holds) if state is None
-                       else LowBitStore(f, b, state, holds_gathered=holds) for f, b in placed]
+        if config.offload is not None and config.offload.on_disk:
+            why = ("low-bit state or master_weights=False" if state is not None else
+                   f"gather_precision={config.gather_precision!r}" if holds else
+                   f"{what} (it keeps its inner optimizer's own state)" if tuple(state_keys) != nvme_store.STATE_KEYS
+                   else None)
+            if why:
+                raise ValueError(f"zerokern: OffloadPolicy(device='nvme') with {why} is not offered yet; use "
+                                 "FusedZeroAdam with fp32 state, or OffloadPolicy(device='cpu')")
+            self.stores = nvme_store.create(placed, config.offload, self.comm, what)
+        else:
+            self.stores = [ShardStore(f, b, config.offload, state_keys, holds_gathered=holds) if state is None
+                           else LowBitStore(f, b, state, holds_gathered=holds) for f, b in placed]
         self.agreement = Agreement(self.comm, strategy, path, self.schedule, self.stores,
                                    [[tindex[f.params[i]] for i in f.layout.buckets[b].tensors] for f, b in placed],
                                    self.trainable, what)
@@ -287,6 +298,12 @@ class ZeroEngine:
                     rep[k] += v
         rep["comm_buffers"] += self.schedule.pool.free_bytes()  # stage-2 full buffers kept for reuse
         rep["total"] = sum(rep.values())
+        disk = [s for s in self.stores if getattr(s, "streams", False)]
+        if disk:  # OffloadPolicy(device="nvme"): beside the memory, not in its total
+            rep["nvme_buffers"] = disk[0].swap.buffer_bytes() + sum(s.staging.numel() * s.staging.element_size()
+                                                                   for s in disk)
+            rep["total"] += rep["nvme_buffers"]
+            rep["on_disk"] = sum(s.disk_bytes() for s in disk)
         return rep
 
 

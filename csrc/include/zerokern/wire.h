@@ -15,7 +15,8 @@
 // x may come with a residual (fp32 or bf16, n): the chunk encoded is then x + residual, summed in
 // fp32 ([Note: error feedback] adds last round's loss in the same pass as the encode, not in a copy
 // of the bucket). error may be the residual itself: each block reads it before it writes it.
-// Decoding: code * scale, written or added to fp32 out.
+// Decoding: code * scale, written or added to fp32 out. A NaN scale decodes to NaN; its payload is
+// the hardware's (x86 keeps the scale's 0x7FC00000, a GPU writes 0x7FFFFFFF), no part of the format.
 #pragma once
 
 #include <cstdint>

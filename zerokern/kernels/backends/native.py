@@ -11,6 +11,7 @@ import importlib
 
 import torch
 
+from . import selfcheck
 from .hyper import AdamHyper
 
 _CACHED = {}  # device type -> the library's fused_adam_cached, or None
@@ -36,6 +37,7 @@ def _split(x, default):
 
 def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, model_params, h: AdamHyper, dry_run=False):
     """dry_run (bench/host_overhead.py): everything but the update, on tensors the op has seen."""
+    _check("adam", params)
     lr, lr_t = _split(h.lr, 0.0)
     step, step_t = _split(h.step, 1.0)
     scale, scale_t = _split(h.grad_scale, 1.0)
@@ -55,23 +57,33 @@ def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, model_params, h: AdamHyper
         lr_tensor=lr_t, step_tensor=step_t, grad_scale_tensor=scale_t, found_inf=h.found_inf)
 
 
+def _check(family, tensors):
+    """[Note: first-call self-check] in selfcheck.py, for the CUDA kernels (the CPU ones are the oracle)."""
+    if tensors and isinstance(tensors[0], torch.Tensor) and tensors[0].device.type == "cuda":
+        selfcheck.ensure(family, tensors[0].device)
+
+
 def _int_list(offsets):
     return None if offsets is None else [int(o) for o in offsets]
 
 
 def flatten(tensors, dtype, offsets, numel):
+    _check("flat", tensors)
     return torch.ops.zerokern.flatten(tensors, dtype, _int_list(offsets), numel)
 
 
 def flatten_into(tensors, out, offsets):
+    _check("flat", tensors)
     torch.ops.zerokern.flatten_into_(tensors, out, _int_list(offsets))
 
 
 def unflatten(flat, like, offsets):
+    _check("flat", [flat])
     return torch.ops.zerokern.unflatten(flat, like, _int_list(offsets))
 
 
 def unflatten_into(flat, targets, offsets):
+    _check("flat", [flat])
     torch.ops.zerokern.unflatten_into_(flat, targets, _int_list(offsets))
 
 
@@ -81,6 +93,7 @@ def fused_adam_lowbit_(params, grads, exp_avgs, exp_avg_sqs, model_params, exp_a
     hyper-parameters and found_inf are read on the host here, as the CPU kernel would."""
     from .. import lowbit
 
+    _check("lowbit", params)
     if not params or (h.found_inf is not None and h.found_inf.item() != 0):
         return
     lr, step, scale = (float(x.item()) if isinstance(x, torch.Tensor) else x for x in (h.lr, h.step, h.grad_scale))

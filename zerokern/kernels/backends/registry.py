@@ -41,6 +41,8 @@ def _cpu_why_not():
 
 
 def _cuda_why_not():
+    if os.environ.get("ZEROKERN_CUDA_KERNELS", "1").strip() == "0":  # [Note: first-call self-check]
+        return "turned off by ZEROKERN_CUDA_KERNELS=0 (auto takes the Triton kernels, else plain torch)"
     if _ext().cuda_error:
         return _ext().cuda_error
     if not torch.cuda.is_available():

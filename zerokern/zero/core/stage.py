@@ -15,7 +15,9 @@ On one process stages 2 and 3 train as stage 2: nothing to gather or scatter, bu
 buffers are freed after step() (the memory a user picked stage 2 or 3 for).
 """
 
+import dataclasses
 import enum
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -43,15 +45,51 @@ class ParamMode(enum.Enum):
 
 @dataclass(frozen=True)
 class OffloadPolicy:
-    """Keep the fp32 master weights and Adam state in (pinned) CPU memory; the
-    update runs there with zerokern's CPU kernel (the reduced grad shard is
-    copied over, the updated param shard back)."""
+    """Where the optimizer state and fp32 master weights live instead of the params' device; the
+    update runs on the CPU with zerokern's CPU kernel either way.
 
+    device="cpu": in (pinned) CPU memory; the reduced grad shard is copied over, the updated param
+    shard back. device="nvme": in a scratch file under `path`, one per rank holding that rank's
+    shard only, streamed through `buffer_count` chunks of `chunk_mb` MB per state array
+    ([Note: NVMe swap] in zero/state/swap.py). fp32 params stay their own masters in memory; only
+    the moments (and fp16/bf16 params' fp32 masters) go to disk."""
+
+    device: str = "cpu"
+    path: Optional[str] = None  # nvme: a directory on a local disk (not tmpfs); each rank's file is its own
     pin_memory: bool = True
+    chunk_mb: float = 16.0  # nvme: MB of one state array streamed at a time
+    buffer_count: int = 4  # nvme: chunks in flight: read ahead, being updated, being written back
+    io_threads: int = 4  # nvme: threads issuing the reads and writes (O_DIRECT, aligned)
+
+    def __post_init__(self):
+        if self.device not in ("cpu", "nvme"):
+            raise ValueError(f"OffloadPolicy(device={self.device!r}): choose 'cpu' (pinned CPU memory) or 'nvme' "
+                             "(files under path=)")
+        if self.device == "nvme" and (not isinstance(self.path, (str, os.PathLike)) or not str(self.path)):
+            raise ValueError("OffloadPolicy(device='nvme') needs path=: a directory on a local disk, where each rank "
+                             "writes one scratch file of its own shard's state")
+        if self.device == "cpu" and self.path is not None:
+            raise ValueError(f"OffloadPolicy(device='cpu', path={self.path!r}): a path is for device='nvme'")
+        if not isinstance(self.pin_memory, bool):
+            raise TypeError(f"OffloadPolicy(pin_memory=...) must be True or False, got {self.pin_memory!r}")
+        if isinstance(self.chunk_mb, bool) or not isinstance(self.chunk_mb, (int, float)) or not (
+                4096 <= self.chunk_mb * 2**20 < 2**40):
+            raise ValueError(f"OffloadPolicy(chunk_mb=...) must be a number of MB, at least 4096 / 2**20 (4 KB, one "
+                             f"disk block), got {self.chunk_mb!r}")
+        for name in ("buffer_count", "io_threads"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (2 if name == "buffer_count" else 1):
+                raise ValueError(f"OffloadPolicy({name}=...) must be an int >= {2 if name == 'buffer_count' else 1} "
+                                 f"(got {v!r})")
 
     @property
-    def device(self) -> torch.device:
+    def compute_device(self) -> torch.device:
+        """Where the update runs and the in-memory state lives."""
         return torch.device("cpu")
+
+    @property
+    def on_disk(self) -> bool:
+        return self.device == "nvme"
 
 
 @dataclass(frozen=True)
@@ -87,7 +125,7 @@ class ShardConfig:
         if self.stage == 3 and self.overlap_param_gather:
             raise ValueError("overlap_param_gather is for stages 1 and 2: at stage 3 every unit's params are "
                              "gathered in its forward (the next unit's gather prefetched); leave it off")
-        if self.stage == 3 and self.offload is not None:
+        if self.stage == 3 and self.offload is not None and not self.offload.on_disk:
             raise ValueError("offload at stage 3 is not offered yet; use stage=2 with offload, or stage=3 without")
         if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, (int, float)):
             raise TypeError(f"bucket_cap_mb must be a number, got {type(self.bucket_cap_mb).__name__}")
@@ -102,6 +140,13 @@ class ShardConfig:
 
     def strategy(self, world_size: int) -> "Strategy":
         return Strategy.of(self.stage, world_size)
+
+    def agreed(self) -> "ShardConfig":
+        """What every rank must pass alike: all of it but an NVMe path, which may be each rank's
+        own disk (the ranks' disks add up)."""
+        if self.offload is None or self.offload.path is None:
+            return self
+        return dataclasses.replace(self, offload=dataclasses.replace(self.offload, path="<each rank's own>"))
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ class ShardStore:
         self.flat, self.b = flat, b
         self.bucket: "GradBucket" = flat.buckets[b]
         param_shard = self._param_shard = flat.param_shard(b)  # a view of a buffer the unit keeps for good
-        self.device = offload.device if offload is not None else param_shard.device
+        self.device = offload.compute_device if offload is not None else param_shard.device
         pin = offload is not None and offload.pin_memory and torch.cuda.is_available()
         n = param_shard.numel()
 

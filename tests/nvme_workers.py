@@ -1,0 +1,151 @@
+"""Per-rank bodies of test_nvme_offload.py: FusedZeroAdam with OffloadPolicy(device="nvme") against
+the same run in memory."""
+
+import os
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+
+from zero_workers import BATCH, DIN, DOUT, batches, loss_fn, make_model
+import zerokern
+from zerokern import FusedZeroAdam, OffloadPolicy
+from zerokern.zero.state import swap
+
+# 1024 fp32 (4 KB) chunks and 2 buffer sets: every shard takes several chunks, and the ring wraps
+SMALL = dict(chunk_mb=4096 / 2**20, buffer_count=2, io_threads=2)
+
+
+def nvme(path, **kw):
+    return OffloadPolicy(device="nvme", path=path, **{**SMALL, **kw})
+
+
+def model_of(dtype, seed=0):
+    """zero_workers' shapes, wider: shards of a few thousand elements, several chunks each."""
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(DIN, 96), torch.nn.Tanh(), torch.nn.Linear(96, 96), torch.nn.Tanh(),
+                            torch.nn.Linear(96, DOUT))
+    return m.to(dtype)
+
+
+def build(dtype, stage, offload, seed=0):
+    model = model_of(dtype, seed=seed)
+    groups = [{"params": [p for n, p in model.named_parameters() if n.endswith("weight")]},
+              {"params": [p for n, p in model.named_parameters() if n.endswith("bias")], "lr": 3e-3,
+               "weight_decay": 0.0}]
+    opt = FusedZeroAdam(groups, lr=1e-2, weight_decay=0.05, bucket_cap_mb=0.02, zero_stage=stage, offload=offload)
+    return model, opt
+
+
+def train(model, opt, rank, world, first, last, skip_grad=None):
+    per = BATCH // world
+    for k, (x, y) in enumerate(batches(last)[first:], first):
+        opt.zero_grad()
+        loss_fn(model, x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]).backward()
+        if skip_grad is not None and k == first:  # a param without a grad this step: its state must stay
+            model[0].bias.grad = None
+        opt.step()
+
+
+def state_of(opt):
+    return [t.detach().clone() for st in opt.state.values() for k, t in sorted(st.items()) if k != "step"]
+
+
+def matches_in_memory(rank, world, stage, dtype, path, steps=4):
+    """The same training in memory and on disk: params and every state tensor bit for bit."""
+    ref_model, ref_opt = build(dtype, stage, None)
+    model, opt = build(dtype, stage, nvme(path))
+    train(ref_model, ref_opt, rank, world, 0, steps, skip_grad=True)
+    train(model, opt, rank, world, 0, steps, skip_grad=True)
+    same_params = all(torch.equal(a, b) for a, b in zip(ref_model.parameters(), model.parameters()))
+    a, b = state_of(ref_opt), state_of(opt)
+    report = opt.memory_report()
+    return {"params": same_params, "state": len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b)),
+            "n_state": len(a), "streams": all(getattr(s, "streams", False) for s in opt.stores),
+            "chunks": max(-(-s.n // s.swap.chunk) for s in opt.stores), "report": report,
+            "files_left": os.listdir(path)}
+
+
+def dcp_save(rank, world, path, ckpt):
+    model, opt = build(torch.bfloat16, 2, nvme(path))
+    train(model, opt, rank, world, 0, 3)
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=ckpt)
+    train(model, opt, rank, world, 3, 5)
+    return [p.detach().float() for p in model.parameters()]
+
+
+def dcp_resume(rank, world, path, ckpt, offload):
+    """A fresh model and optimizer (state on disk, or in memory) load the checkpoint and go on."""
+    model, opt = build(torch.bfloat16, 2, nvme(path) if offload else None, seed=7)
+    sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(sd, checkpoint_id=ckpt)
+    set_model_state_dict(model, sd["model"])
+    set_optimizer_state_dict(model, opt, sd["optim"])
+    train(model, opt, rank, world, 3, 5)
+    return [p.detach().float() for p in model.parameters()]
+
+
+def io_error(rank, world, path, fail_rank, op):
+    """An I/O error on one rank mid-step: every rank raises, and the params and state are unchanged;
+    once the disk works again training goes on as if that step had been skipped."""
+    ref_model, ref_opt = build(torch.float32, 2, None)
+    model, opt = build(torch.float32, 2, nvme(path))
+    train(ref_model, ref_opt, rank, world, 0, 2)
+    train(model, opt, rank, world, 0, 2)
+    before = [p.detach().clone() for p in model.parameters()], state_of(opt)
+    real = getattr(swap, op)
+    calls = []
+
+    def failing(fd, view, offset):
+        calls.append(offset)
+        if len(calls) == 3:  # a few chunks in: some were read, updated and written already
+            raise OSError(5, "Input/output error")
+        return real(fd, view, offset)
+    if rank == fail_rank:
+        setattr(swap, op, failing)
+    x, y = batches(3)[2]
+    per = BATCH // world
+    opt.zero_grad()
+    loss_fn(model, x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]).backward()
+    try:
+        opt.step()
+        error = None
+    except zerokern.zero.state.swap.NvmeOffloadError as e:
+        error = str(e)
+    finally:
+        setattr(swap, op, real)
+    unchanged = (all(torch.equal(a, b) for a, b in zip(before[0], model.parameters()))
+                 and all(torch.equal(a, b) for a, b in zip(before[1], state_of(opt))))
+    ref_opt.zero_grad()  # the reference skips that step too
+    train(ref_model, ref_opt, rank, world, 3, 5)
+    train(model, opt, rank, world, 3, 5)
+    same = all(torch.equal(a, b) for a, b in zip(ref_model.parameters(), model.parameters()))
+    return {"error": error, "unchanged": unchanged, "then_same": same}
+
+
+def bad_path(rank, world, paths):
+    model = make_model(torch.float32)
+    try:
+        FusedZeroAdam(model.parameters(), lr=1e-2, zero_stage=2, offload=nvme(paths[rank]))
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def stage3_matches_in_memory(rank, world, dtype, path, steps=4):
+    """Stage 3 (each Linear a unit, then the root): the state of this rank's param shards on disk."""
+    runs = []
+    for offload in (None, nvme(path)):
+        model = model_of(dtype)
+        for layer in (model[0], model[2], model[4]):
+            zerokern.shard(layer, stage=3, bucket_cap_mb=0.02, offload=offload)
+        zerokern.shard(model, stage=3, bucket_cap_mb=0.02, offload=offload)
+        opt = FusedZeroAdam(model.parameters(), lr=1e-2, weight_decay=0.05)
+        train(model, opt, rank, world, 0, steps)
+        runs.append((model, opt))
+    (a, oa), (b, ob) = runs
+    sa, sb = state_of(oa), state_of(ob)
+    return {"streams": all(getattr(s, "streams", False) for s in ob.stores),
+            "params": all(torch.equal(x.param_shard(), y.param_shard()) for x, y in zip(oa.stores, ob.stores)),
+            "state": len(sa) == len(sb) and all(torch.equal(x, y) for x, y in zip(sa, sb)), "n_state": len(sa)}

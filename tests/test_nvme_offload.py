@@ -1,0 +1,80 @@
+"""OffloadPolicy(device="nvme"): the optimizer state (and the fp32 masters of bf16 params) in one
+scratch file per rank, streamed in chunks ([Note: NVMe swap] in zerokern/zero/state/swap.py): the
+same numbers as in memory, DCP checkpoints, bad paths and I/O errors raising on every rank."""
+
+import os
+
+import pytest
+import torch
+
+import dist_harness
+import nvme_workers as W
+from zerokern import FusedZeroAdam, OffloadPolicy
+from zerokern.zero.state import swap
+from zero_workers import make_model
+
+
+@pytest.mark.parametrize("world,stage", [(1, 2), (2, 1), (2, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_state_on_disk_trains_bit_for_bit_as_in_memory(tmp_path, world, stage, dtype):
+    for r in dist_harness.values(dist_harness.run(W.matches_in_memory, world, stage, dtype, str(tmp_path))):
+        assert r["streams"] and r["chunks"] >= 2, r  # on disk, in several chunks
+        assert r["params"] and r["state"] and r["n_state"] >= 10, r
+        assert r["report"]["adam_state"] == 0 and r["report"]["master_params"] == 0, r["report"]
+        assert r["report"]["on_disk"] > 0 and r["report"]["nvme_buffers"] > 0, r["report"]
+        assert r["files_left"] == [], r  # the scratch file is unlinked at creation
+
+
+def test_a_dcp_checkpoint_resumes_on_disk_and_in_memory(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    want = dist_harness.values(dist_harness.run(W.dcp_save, 2, str(tmp_path / "a"), ckpt))
+    for offload in (True, False):
+        got = dist_harness.values(dist_harness.run(W.dcp_resume, 2, str(tmp_path / "b"), ckpt, offload))
+        for w, g in zip(want, got):
+            assert all(torch.equal(a, b) for a, b in zip(w, g)), offload
+
+
+@pytest.mark.parametrize("op", ["_pread", "_pwrite"])
+def test_an_io_error_on_one_rank_raises_on_every_rank_and_changes_nothing(tmp_path, op):
+    for rank, r in enumerate(dist_harness.values(dist_harness.run(W.io_error, 2, str(tmp_path), 1, op))):
+        assert r["error"] and "rank 1:" in r["error"] and "Input/output error" in r["error"], (rank, r)
+        assert "not applied on any rank" in r["error"], r
+        assert r["unchanged"] and r["then_same"], (rank, r)
+
+
+def test_a_bad_path_on_one_rank_raises_on_every_rank_naming_it(tmp_path):
+    missing = str(tmp_path / "missing")
+    for msg in dist_harness.values(dist_harness.run(W.bad_path, 2, [str(tmp_path), missing])):
+        assert msg and "NvmeOffloadError" in msg and f"rank 1: {missing} does not exist" in msg, msg
+
+
+def test_paths_that_cannot_hold_the_state_are_named_with_the_bytes(tmp_path):
+    assert swap.check_path(tmp_path, 4096) is None
+    assert "does not exist" in swap.check_path(tmp_path / "nope", 1)
+    (tmp_path / "file").write_text("x")
+    assert "is not a directory" in swap.check_path(tmp_path / "file", 1)
+    need = 10**18
+    msg = swap.check_path(tmp_path, need)
+    assert msg and f"this rank's state needs {need:,}" in msg and "bytes free" in msg, msg
+    if os.path.isdir("/dev/shm") and swap._filesystem("/dev/shm") == "tmpfs":
+        assert "is on tmpfs, which is memory" in swap.check_path("/dev/shm", 1)
+
+
+def test_what_nvme_offload_does_not_offer_is_refused(tmp_path):
+    model = make_model(torch.bfloat16)
+    nv = OffloadPolicy(device="nvme", path=str(tmp_path))
+    with pytest.raises(ValueError, match="device='nvme'.*low-bit state"):
+        FusedZeroAdam(model.parameters(), offload=nv, state_precision="int8")
+    import zerokern
+    with pytest.raises(ValueError, match="device='nvme'.*ZeroOptimizer"):
+        zerokern.ZeroOptimizer(model.parameters(), torch.optim.AdamW, offload=nv)
+    with pytest.raises(ValueError, match="needs path="):
+        OffloadPolicy(device="nvme")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_stage3_state_on_disk_trains_bit_for_bit_as_in_memory(tmp_path, dtype):
+    for r in dist_harness.values(dist_harness.run(W.stage3_matches_in_memory, 2, dtype, str(tmp_path))):
+        assert r["streams"] and r["params"] and r["state"] and r["n_state"] >= 6, r

@@ -1,0 +1,203 @@
+"""SwapFile: one rank's scratch file for optimizer state on a local disk (OffloadPolicy(device="nvme")),
+its checks, and the aligned buffers and threads that stream it.
+
+[Note: NVMe swap]
+- One file per rank, holding that rank's shard only, so the ranks' disks add up (ZeRO-Infinity's
+  bandwidth-centric partitioning). Each store (a bucket's shard) has a region of two slots; a slot
+  holds its state arrays (exp_avg, exp_avg_sq, and the fp32 master of fp16/bf16 params), each
+  padded to ALIGN bytes. A step reads slot s and writes slot 1 - s, so a step that fails part way
+  (an I/O error on any rank) leaves slot s, and the params, as they were: nothing half-updated.
+  Only when every rank's writes are done does each store flip to the new slot
+  (NvmeStore.commit; FusedZeroAdam._update_streamed).
+- The step streams: a ring of `buffer_count` buffer sets of one chunk per array; chunk i+1.. is read
+  while chunk i updates and chunk i-1 is written, by `io_threads` threads (os.preadv/pwritev on an
+  O_DIRECT descriptor release the GIL; O_DIRECT skips the page cache, so the state does not come
+  back into memory behind our back). Offsets, lengths and buffer addresses are ALIGN-aligned.
+- The file is created, fully allocated (posix_fallocate: a full disk fails here, before training,
+  not mid-step) and unlinked at once: it is scratch, and it goes away when the process ends, even
+  when the process is killed. Checkpoints read the state through a shared mmap of the same file
+  (the state tensors self.state[p] are views of it), so state_dict(), DCP and load_state_dict work
+  unchanged; what they write is msync'ed before the next step reads the file.
+- Before the first step every rank checks its path (exists, a writable directory, not tmpfs or
+  ramfs, O_DIRECT works, enough free space) and every rank raises if any rank cannot
+  (check_path; NvmeStores.create in nvme_store.py).
+"""
+
+import concurrent.futures
+import ctypes
+import errno
+import mmap
+import os
+import struct
+import uuid
+import weakref
+from typing import Optional
+
+import torch
+
+ALIGN = 4096  # bytes: the largest logical block size O_DIRECT asks alignment to, and a page
+FLOATS = ALIGN // 4
+_RAM_FILESYSTEMS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}  # statfs f_type magics
+
+
+class NvmeOffloadError(RuntimeError):
+    """A path for OffloadPolicy(device="nvme") that cannot hold the state, or an I/O error in a step."""
+
+
+def padded(n: int) -> int:
+    """n fp32 elements rounded up to whole ALIGN-byte blocks."""
+    return -(-n // FLOATS) * FLOATS
+
+
+def _filesystem(path: str) -> Optional[str]:
+    """The name of a RAM-backed filesystem `path` is on (tmpfs, ramfs), else None (or unknown)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        buf = ctypes.create_string_buffer(256)  # struct statfs: f_type (a long) first
+        if libc.statfs(os.fsencode(path), buf) != 0:
+            return None
+        return _RAM_FILESYSTEMS.get(struct.unpack_from("l", buf.raw)[0] & 0xFFFFFFFF)
+    except (OSError, AttributeError):
+        return None
+
+
+def check_path(path, nbytes: int) -> Optional[str]:
+    """Why `path` cannot hold `nbytes` of this rank's swap file, or None."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        return f"{path} does not exist (create the directory, on a local disk)"
+    if not os.path.isdir(path):
+        return f"{path} is not a directory"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"{path} is not writable by this process"
+    ram = _filesystem(path)
+    if ram is not None:
+        return (f"{path} is on {ram}, which is memory: the state would stay in RAM (use a directory on a "
+                "local disk, or OffloadPolicy(device='cpu'))")
+    st = os.statvfs(path)
+    free = st.f_bavail * st.f_frsize
+    if free < nbytes:
+        return f"{path} has {free:,} bytes free, and this rank's state needs {nbytes:,}"
+    probe = os.path.join(path, f".zerokern-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
+        os.close(fd)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            return f"{path} does not support O_DIRECT (a network or RAM-backed filesystem?)"
+        return f"{path}: cannot create a file there ({e.strerror})"
+    finally:
+        if os.path.exists(probe):
+            os.unlink(probe)
+    return None
+
+
+def _pread(fd, view, offset):  # the I/O calls, one place (tests make them fail here)
+    return os.preadv(fd, [view], offset)
+
+
+def _pwrite(fd, view, offset):
+    return os.pwritev(fd, [view], offset)
+
+
+class AlignedBuffer:
+    """An ALIGN-aligned CPU tensor of `n` fp32 elements (pinned where CUDA is usable) and the
+    memoryview the I/O calls fill."""
+
+    def __init__(self, n: int, pin: bool):
+        nbytes = n * 4
+        self._raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
+        start = (-self._raw.data_ptr()) % ALIGN
+        self.tensor = self._raw[start:start + nbytes].view(torch.float32)
+        self._c = (ctypes.c_char * nbytes).from_address(self.tensor.data_ptr())
+        self.view = memoryview(self._c).cast("B")
+
+
+class SwapFile:
+    """One rank's scratch file (see the Note): regions handed out by `region`, state tensors viewed
+    through a shared mmap, chunks moved by `read`/`write` on the I/O threads."""
+
+    def __init__(self, directory, nbytes: int, rank: int, policy):
+        self.directory = os.fspath(directory)
+        self.nbytes = nbytes
+        name = f"zerokern-swap-rank{rank}-pid{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"
+        self.path = os.path.join(self.directory, name)
+        fd = dfd = -1
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            if nbytes:
+                os.posix_fallocate(fd, 0, nbytes)  # a full disk fails here, not mid-step
+            dfd = os.open(self.path, os.O_RDWR | os.O_DIRECT)
+        except OSError as e:
+            for f in (fd, dfd):
+                if f >= 0:
+                    os.close(f)
+            if os.path.exists(self.path):
+                os.unlink(self.path)
+            raise NvmeOffloadError(f"{self.path}: could not create {nbytes:,} bytes ({e.strerror})") from e
+        os.unlink(self.path)  # scratch: gone with the last descriptor, even if the process is killed
+        self._fd, self._dfd = fd, dfd
+        self._mm = mmap.mmap(fd, max(nbytes, ALIGN), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self._used = 0
+        self.chunk = max(FLOATS, int(policy.chunk_mb * 2**20) // 4 // FLOATS * FLOATS)  # fp32 per array and chunk
+        self.buffer_count = policy.buffer_count
+        self._pin = policy.pin_memory and torch.cuda.is_available()
+        self._ring = {}  # arrays per chunk -> the ring of buffer sets, made at the first step
+        self._pool = concurrent.futures.ThreadPoolExecutor(policy.io_threads, thread_name_prefix="zerokern-nvme")
+        self._finalizer = weakref.finalize(self, SwapFile._close, self._mm, self._pool, fd, dfd)
+
+    @staticmethod
+    def _close(mm, pool, fd, dfd):
+        pool.shutdown(wait=True)
+        try:
+            mm.close()
+        except BufferError:  # state tensors still view it: the mapping goes with the process
+            pass
+        for f in (fd, dfd):
+            os.close(f)
+
+    def region(self, nbytes: int) -> int:
+        """The byte offset of a new region of `nbytes` (a multiple of ALIGN)."""
+        offset, self._used = self._used, self._used + nbytes
+        assert nbytes % ALIGN == 0 and self._used <= self.nbytes, (nbytes, self._used, self.nbytes)
+        return offset
+
+    def tensor(self, offset: int, n: int) -> torch.Tensor:
+        """n fp32 elements of the file at byte `offset`, through the shared mapping."""
+        return torch.frombuffer(self._mm, dtype=torch.float32, count=n, offset=offset)
+
+    def flush(self) -> None:
+        """Write what went through the mapping (a loaded state dict, a refreshed master) to the
+        file, before the O_DIRECT reads."""
+        self._mm.flush()
+
+    def ring(self, arrays: int):
+        """buffer_count sets of `arrays` aligned chunk buffers (made once, then reused by every store)."""
+        if arrays not in self._ring:
+            self._ring[arrays] = [[AlignedBuffer(self.chunk, self._pin) for _ in range(arrays)]
+                                  for _ in range(self.buffer_count)]
+        return self._ring[arrays]
+
+    def buffer_bytes(self) -> int:
+        return sum(len(s) * self.chunk * 4 for ring in self._ring.values() for s in ring)
+
+    def read(self, buf: AlignedBuffer, n: int, offset: int):
+        """A future: n fp32 of the file at `offset` into buf."""
+        return self._pool.submit(self._io, "read", buf.view[:n * 4], offset)
+
+    def write(self, buf: AlignedBuffer, n: int, offset: int):
+        return self._pool.submit(self._io, "write", buf.view[:n * 4], offset)
+
+    def _io(self, op, view, offset):
+        done, total = 0, len(view)
+        call = _pread if op == "read" else _pwrite
+        while done < total:
+            try:
+                got = call(self._dfd, view[done:], offset + done)
+            except OSError as e:
+                raise NvmeOffloadError(f"{op} of {total - done:,} bytes at byte {offset + done:,} of {self.path} "
+                                       f"(an unlinked scratch file): {e.strerror or e}") from e
+            if got <= 0:
+                raise NvmeOffloadError(f"{op} of {total - done:,} bytes at byte {offset + done:,} of {self.path}: "
+                                       "the file ended")
+            done += got

@@ -19,21 +19,24 @@ namespace {
 
 static_assert(kBlock == 256, "one thread per element of a block");
 
-__device__ __forceinline__ float block_absmax(float x, float* shared) {
-  float a = fabsf(x);
+// The block's absmax, to every thread: the largest |x| bit pattern, as the CPU kernel's (integer
+// order is float order for non-NaN floats, and a NaN comes out NaN, as the reference's amax; fmaxf
+// would drop it).
+__device__ __forceinline__ float block_absmax(float x, uint32_t* shared) {
+  uint32_t a = __float_as_uint(x) & 0x7FFFFFFFu;
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, o));
+  for (int o = 16; o > 0; o >>= 1) a = max(a, __shfl_xor_sync(0xFFFFFFFFu, a, o));
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (lane == 0) shared[warp] = a;
   __syncthreads();
-  // Every lane of every warp reduces all 32 lanes (those past the block's warps hold 0), so every
-  // thread gets the block's absmax: a reduction over lanes 0-7 alone (o = 4, 2, 1) left lanes 8-31
-  // of each warp with 0, and their codes with the zero block's (found on the first GPU run).
-  a = lane < (kBlock >> 5) ? shared[lane] : 0.f;
+  // Every group of 8 lanes reduces the 8 warps' maxima, so every thread gets the block's absmax: a
+  // reduction of lanes 0-7 alone left lanes 8-31 of each warp with 0, and their codes with the zero
+  // block's (found on the first GPU run, and by the SIMT emulator's tests).
+  a = shared[lane & ((kBlock >> 5) - 1)];
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, o));
+  for (int o = 4; o > 0; o >>= 1) a = max(a, __shfl_xor_sync(0xFFFFFFFFu, a, o));
   __syncthreads();  // shared is reused by the next reduction
-  return a;
+  return __uint_as_float(a);
 }
 
 __device__ __forceinline__ float decode(const void* state, const float* scales, int64_t i, int64_t blk,
@@ -46,7 +49,7 @@ __device__ __forceinline__ float decode(const void* state, const float* scales, 
 // Writes x (every thread of the block calls it: the int8 path reduces over the block).
 __device__ __forceinline__ void encode(void* state, float* scales, int64_t i, int64_t blk, bool active, float x,
                                        StateFormat f, const QuantTables& q, const LowBitCall& call, uint32_t stream,
-                                       int64_t index, float* shared) {
+                                       int64_t index, uint32_t* shared) {
   if (f == StateFormat::kInt8) {
     const float absmax = block_absmax(active ? x : 0.f, shared);
     if (!active) return;
@@ -74,7 +77,7 @@ __global__ void __launch_bounds__(kBlock) lowbit_kernel(void* param, const G* gr
                                                         float* exp_avg_scales, float* exp_avg_sq_scales, void* model,
                                                         int64_t numel, int64_t base, bool param_bf16, DType model_dtype,
                                                         StateFormat state, LowBitCall call) {
-  __shared__ float shared[kBlock >> 5];
+  __shared__ uint32_t shared[kBlock >> 5];
   const int64_t blk = blockIdx.x, i = blk * kBlock + threadIdx.x;
   const bool active = i < numel;
   float p = 0.f, g = 0.f, m = 0.f, v = 0.f;

@@ -107,8 +107,12 @@ __device__ __forceinline__ void store_pack(T* ptr, const Pack<T, V>& pack) {
   static_assert(sizeof(pack) == 16, "vector stores are 16 bytes");
   uint32_t w[4];
   memcpy(w, &pack, sizeof(pack));
+#if defined(ZEROKERN_SIMT_EMU)  // the host build (csrc/emu/simt.h): the same instruction, emulated
+  zk_emu::st_global_v4_b32(ptr, w);
+#else
   asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3])
                : "memory");
+#endif
 }
 
 // V elements at ptr as 16-byte accesses (V * sizeof(T) a multiple of 16).

@@ -2,10 +2,11 @@
 # A GPT whose training state does not fit in the memory a job is allowed, trained with the state on
 # disk: 2 ranks (torchrun, gloo), bf16 params, stage 2, in a memory cgroup of LIMIT bytes.
 #   sudo bench/nvme_memory_limit.sh OUTDIR [LIMIT_MB] [DISK_DIR]      (root: it makes a cgroup)
-# Three runs of examples/train_gpt.py with the same model, data and seed:
+# Four runs of examples/train_gpt.py with the same model, data and seed:
 #   1. in memory, no limit: the reference loss curve and the job's peak memory
-#   2. in memory, under the limit: expected to be killed (the state does not fit)
-#   3. state on disk (--offload nvme), under the limit: trains; its losses must equal run 1's
+#   2. state on disk (--offload nvme), no limit: its peak memory
+#   3. in memory, under the limit: expected to be killed (the state does not fit)
+#   4. state on disk, under the limit: trains; its losses must equal run 1's
 # Memory: the cgroup's memory.max_usage_in_bytes (cgroup v1: RSS and page cache of every process of
 # the job; page cache is reclaimed at the limit, so a run that fits can still touch it), and the
 # job's peak anonymous memory (total_rss of memory.stat, polled); each run gets a fresh cgroup.
@@ -45,6 +46,7 @@ run() {  # run NAME LIMIT_BYTES ARGS...: torchrun inside a fresh cgroup; prints 
 {
   echo "date: $(date -u +%FT%TZ); $(getconf _NPROCESSORS_ONLN) cpus; limit ${limit_mb} MB; disk dir $disk ($(df -T "$disk" | tail -1 | awk '{print $2}'))"
   run memory-unlimited 9223372036854771712
+  run nvme-unlimited 9223372036854771712 --offload nvme --offload-path "$disk" --offload-chunk-mb 4
   run memory-limited $((limit_mb * 1048576))
   run nvme-limited $((limit_mb * 1048576)) --offload nvme --offload-path "$disk" --offload-chunk-mb 4
   python - "$out" <<'PY'

@@ -1,6 +1,7 @@
 """The planner against the ZeRO paper and against numbers worked out by hand."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -266,3 +267,27 @@ def test_every_planner_command_in_the_docs_runs(capsys):
         except SystemExit as e:
             code = e.code
         assert code == 0, (where, argv, capsys.readouterr().err)
+
+
+def test_nvme_offload_rows_give_the_disk_bytes_and_the_disk_time(tmp_path, capsys):
+    """--offload-optimizer nvme: the state per GPU on disk (bf16: 12 bytes per param of the shard),
+    host buffers in `cpu`, and the disk's time for a step's reads and writes at the rates given."""
+    from zerokern.plan import disk
+
+    rate = disk.DiskRate(6.0, 4.0, "test")
+    p = plan(7e9, dp=8, offload_optimizer="nvme", disk_rate=rate)
+    for s in p.stages[1:]:
+        assert s.disk_bytes == pytest.approx(12 * 7e9 / 8)
+        assert s.disk_seconds == pytest.approx(s.disk_bytes / 6e9 + s.disk_bytes / 4e9)
+        assert s.master_bytes == 0 and s.adam_bytes == 0 and s.cpu_bytes < s.disk_bytes
+    assert p.stages[0].disk_bytes == 0 and p.stages[0].disk_seconds is None  # stage 0 keeps it on the GPU
+    with pytest.raises(ValueError, match="nvme"):
+        plan(7e9, dp=8, offload_optimizer="nvme", state_precision="int8")
+    measured = disk.measure(str(tmp_path), 32 << 20)
+    assert measured.read_gbs > 0 and measured.write_gbs > 0 and os.listdir(tmp_path) == []
+    assert main(["--params", "1e9", "--dp", "2", "--offload-optimizer", "nvme", "--disk-bandwidth", "2,1"]) == 0
+    out = capsys.readouterr().out
+    assert "disk time" in out and "at 2.00 / 1.00 GB/s (--disk-bandwidth)" in out, out
+    with pytest.raises(SystemExit) as e:
+        main(["--params", "1e9", "--measure-disk", str(tmp_path)])
+    assert e.value.code == 2

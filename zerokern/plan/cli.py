@@ -7,6 +7,7 @@ import math
 import re
 import sys
 
+from . import disk
 from .activations import ACT_BYTES, CHECKPOINTING
 from .model import DTYPE_BYTES, STATE_BYTES, plan
 from .traffic import GATHER_PRECISIONS, REDUCE_PRECISIONS, quantized
@@ -87,8 +88,15 @@ def parser():
     hw.add_argument("--no-master-weights", action="store_true",
                     help="bf16 params updated without fp32 masters (stochastic rounding): FusedZeroAdam's "
                          "master_weights=False")
-    hw.add_argument("--offload-optimizer", choices=["none", "cpu"], default="none",
-                    help="keep fp32 master weights and Adam state in CPU memory (ZeRO stage 1 and up)")
+    hw.add_argument("--offload-optimizer", choices=["none", "cpu", "nvme"], default="none",
+                    help="keep fp32 master weights and Adam state in CPU memory, or on disk (nvme: streamed "
+                         "through a few buffers; ZeRO stage 1 and up)")
+    hw.add_argument("--disk-bandwidth", type=_disk_rates, metavar="READ,WRITE",
+                    help="--offload-optimizer nvme: the disk's O_DIRECT read and write GB/s per GPU (e.g. 6,4), "
+                         "for the step's disk time")
+    hw.add_argument("--measure-disk", metavar="PATH",
+                    help="--offload-optimizer nvme: measure a directory's O_DIRECT read and write GB/s (512 MB "
+                         "written and read back) and use them for the step's disk time")
     hw.add_argument("--gpu-memory", type=parse_bytes, default=80e9,
                     help="per GPU, with a unit: 80GB (the default), 141GB, 24GiB")
     hw.add_argument("--dp-bandwidth", type=lambda t: parse_bytes(t, per_second=True), default=None,
@@ -114,6 +122,16 @@ def parser():
     return ap
 
 
+def _disk_rates(text):
+    try:
+        read, write = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected READ,WRITE in GB/s (e.g. 6,4), got {text!r}") from None
+    if read <= 0 or write <= 0:
+        raise argparse.ArgumentTypeError(f"disk rates must be > 0 GB/s, got {text!r}")
+    return disk.DiskRate(read, write, "--disk-bandwidth")
+
+
 def _gb(x):
     return "n/a" if x is None else f"{x / 1e9:.2f}"
 
@@ -126,7 +144,8 @@ def render(p, marked=None, bandwidth_assumed=False):
     lines = [f"zerokern plan: {p.params_total:.4g} params in all, {p.params_per_gpu:.4g} on each GPU; "
              f"dp={p.dp} tp={p.tp} pp={p.pp}, {p.dtype}, Adam with {p.state_precision} moments"
              + ("" if p.master_weights or p.dtype == "fp32" else ", no fp32 masters")
-             + (", optimizer offloaded to CPU" if p.offload_optimizer else ""),
+             + ({"cpu": ", optimizer offloaded to CPU", "nvme": ", optimizer state on disk (nvme)"}.get(
+                 p.offload_optimizer, "")),
              f"  {p.formula}",
              ("" if p.hosts == 1 else f"flat sharding over all {p.dp} ranks (hybrid: the hosts table below); ")
              + "GB per GPU (1 GB = 1e9 bytes); " + (
@@ -136,16 +155,21 @@ def render(p, marked=None, bandwidth_assumed=False):
                  f"tokens, {a.dtype}, checkpointing {a.checkpointing})"),
              ""]
     # optional columns: activations only with --seq-len, error feedback only for int8/int4 reductions
-    shown = {"activ": a is not None, "ef": quantized(p.reduce_precision), "cpu": bool(p.offload_optimizer)}
+    nvme = p.offload_optimizer == "nvme"
+    timed = nvme and any(s.disk_seconds is not None for s in p.stages)
+    shown = {"activ": a is not None, "ef": quantized(p.reduce_precision), "cpu": bool(p.offload_optimizer),
+             "disk": nvme, "disk time": timed}
     head = [c for c in ("stage", "params", "gathered", "grads", "buffers", "master", "adam", "ef", "activ", "total",
-                        "cpu", "fits (headroom)", "comm/step", "comm time") if shown.get(c, True)]
+                        "cpu", "disk", "disk time", "fits (headroom)", "comm/step", "comm time")
+            if shown.get(c, True)]
     rows = []
     best = p.smallest_fitting_stage
     for s in p.stages:
         cells = {"stage": str(s.stage), "params": _gb(s.params_bytes), "gathered": _gb(s.gathered_bytes),
                  "grads": _gb(s.grads_bytes), "buffers": _gb(s.buffers_bytes), "master": _gb(s.master_bytes),
                  "adam": _gb(s.adam_bytes), "ef": _gb(s.error_feedback_bytes), "activ": _gb(s.activations_bytes),
-                 "total": _gb(s.total_bytes), "cpu": _gb(s.cpu_bytes),
+                 "total": _gb(s.total_bytes), "cpu": _gb(s.cpu_bytes), "disk": _gb(s.disk_bytes),
+                 "disk time": "-" if s.disk_seconds is None else f"{s.disk_seconds:.2f} s",
                  "fits (headroom)": f"{'yes' if s.fits else 'no'} ({_gb(s.headroom_bytes)})",
                  "comm/step": f"{_gb(s.comm_bytes)} GB", "comm time": f"{s.comm_seconds * 1e3:.1f} ms"}
         row = [cells[c] for c in head]
@@ -214,6 +238,13 @@ def render(p, marked=None, bandwidth_assumed=False):
     if p.offload_optimizer:
         lines.append("offload applies from stage 1 on (ZeRO-Offload moves the sharded optimizer state); "
                      "stage 0 keeps it on the GPU")
+    if nvme:
+        lines.append("nvme: disk = this GPU's shard of the state (fp32 moments, and fp32 masters of 16-bit params), "
+                     "read from one slot and written to the other every step (the file holds two slots); cpu = "
+                     "host buffers: OffloadPolicy's defaults (4 buffers x 3 arrays x 16 MB) and one param shard"
+                     + ("" if not timed else f"; disk time = disk / read + disk / write at {p.disk_rate[0]:.2f} / "
+                        f"{p.disk_rate[1]:.2f} GB/s ({p.disk_rate[2]}): the step takes at least that, or the CPU "
+                        "update if longer (they overlap)"))
     lines += _verdict(p)
     return "\n".join(lines)
 
@@ -257,6 +288,12 @@ def _activation_lines(p):
 def main(argv=None):
     ap = parser()
     args = ap.parse_args(argv)
+    if (args.disk_bandwidth or args.measure_disk) and args.offload_optimizer != "nvme":
+        ap.error("--disk-bandwidth and --measure-disk are for --offload-optimizer nvme")
+    try:
+        rate = disk.measure(args.measure_disk) if args.measure_disk else args.disk_bandwidth
+    except ValueError as e:
+        ap.error(str(e))
     try:
         p = plan(args.params, layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab,
                  ffn_hidden=args.ffn_hidden, arch=args.arch, kv_heads=args.kv_heads, dp=args.dp, tp=args.tp, pp=args.pp, dtype=args.dtype,
@@ -268,7 +305,8 @@ def main(argv=None):
                  hosts=args.hosts, seq=args.seq_len, micro_batch_size=args.micro_batch_size,
                  checkpointing=args.checkpointing, act_dtype=args.act_dtype,
                  reduce_precision=None if args.reduce_precision == "none" else args.reduce_precision,
-                 gather_precision=None if args.gather_precision == "none" else args.gather_precision)
+                 gather_precision=None if args.gather_precision == "none" else args.gather_precision,
+                 disk_rate=rate)
     except ValueError as e:
         ap.error(str(e))  # exit code 2
     if args.json:

@@ -103,7 +103,7 @@ class StagePlan:
     master_bytes: float
     adam_bytes: float
     total_bytes: float  # on the GPU
-    cpu_bytes: float  # offloaded optimizer state, per GPU, in host memory
+    cpu_bytes: float  # per GPU in host memory: the offloaded optimizer state (nvme: its buffers)
     fits: bool
     headroom_bytes: float
     comm_bytes: float  # sent (and received) per GPU per step, flat over the dp ranks
@@ -126,6 +126,10 @@ class StagePlan:
     # one micro-batch's activations at their peak ([Note: activation memory]), in total_bytes; None
     # where not modelled (no sequence length given)
     activations_bytes: Optional[float] = None
+    # offload_optimizer="nvme" ([Note: NVMe swap]): the state on disk per GPU (one slot; the file holds
+    # two), and the disk's time for a step's reads and writes of it at the rates given (None: no rate)
+    disk_bytes: float = 0.0
+    disk_seconds: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -152,6 +156,8 @@ class Plan:
     fit_tokens: Optional[dict] = None
     reduce_precision: Optional[str] = None  # what grads travel in (None: their dtype); traffic.py
     gather_precision: Optional[str] = None  # what gathered params travel in without a mesh
+    # offload_optimizer="nvme": the disk's (read GB/s, write GB/s, where they came from), or None
+    disk_rate: Optional[tuple] = None
 
     @property
     def largest_micro_batch(self) -> Optional[dict]:
@@ -220,7 +226,8 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
          kv_heads=None, dp=1, tp=1, pp=1, dtype="bf16", offload_optimizer=None, gpu_memory=80e9, micro_batches=1,
          dp_bandwidth=100e9, bucket_cap_mb=25.0, largest_param=None, unit_params=None, root_params=None,
          state_precision="fp32", master_weights=True, hosts=1, seq=None, micro_batch_size=1,
-         checkpointing="none", act_dtype=None, reduce_precision=None, gather_precision=None) -> Plan:
+         checkpointing="none", act_dtype=None, reduce_precision=None, gather_precision=None,
+         disk_rate=None) -> Plan:
     """The memory and communication plan for every ZeRO stage. Give either
     `params` (a count; tp and pp then split it evenly) or the shape (layers,
     hidden, heads, vocab[, ffn_hidden]) of a GPT-style (arch="gpt") or Llama-style
@@ -250,9 +257,12 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
     if not master_weights and dtype != "bf16":
         raise ValueError(f"master_weights=False is for bf16 training (dtype {dtype!r}): fp32 params are their own "
                          "masters, fp16 ones need them")
-    if offload_optimizer not in (None, "none", "cpu"):
-        raise ValueError(f"offload_optimizer must be 'cpu' or None, got {offload_optimizer!r}")
-    offload = offload_optimizer == "cpu"
+    if offload_optimizer not in (None, "none", "cpu", "nvme"):
+        raise ValueError(f"offload_optimizer must be 'cpu', 'nvme' or None, got {offload_optimizer!r}")
+    if offload_optimizer == "nvme" and (state_precision != "fp32" or not master_weights):
+        raise ValueError("offload_optimizer='nvme' keeps fp32 state with fp32 masters (low-bit state on disk is not "
+                         "offered yet)")
+    offload = offload_optimizer in ("cpu", "nvme")
     traffic.check_precisions(reduce_precision, gather_precision)
     for name, v in (("dp", dp), ("tp", tp), ("pp", pp), ("micro_batches", micro_batches),
                     ("bucket_cap_mb", bucket_cap_mb), ("hosts", hosts)):
@@ -361,15 +371,33 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
                                  hybrid_total_bytes=local.total_bytes + act,
                                  hybrid_fits=local.total_bytes + act <= gpu_memory,
                                  hybrid_error_feedback_bytes=hybrid_feedback)
+    if offload_optimizer == "nvme":
+        stages = [_on_disk(st, p_bytes / (dp if st.stage >= 1 else 1), disk_rate) for st in stages]
     return Plan(params_total=total, params_per_gpu=per_gpu, dp=dp, tp=tp, pp=pp, dtype=dtype,
-                offload_optimizer="cpu" if offload else None, gpu_memory_bytes=gpu_memory,
+                offload_optimizer=offload_optimizer if offload else None, gpu_memory_bytes=gpu_memory,
                 dp_bandwidth_bytes_per_s=dp_bandwidth, micro_batches=micro_batches,
                 pipeline_bubble=(pp - 1) / (micro_batches + pp - 1), stages=stages, formula=formula,
                 state_precision=state_precision, master_weights=master_weights, hosts=hosts, activations=acts,
                 reduce_precision=reduce_precision, gather_precision=gather_precision,
+                disk_rate=None if disk_rate is None else tuple(disk_rate),
                 fit_tokens=None if acts is None else {
                     c: [largest_tokens(st.headroom_bytes + act, per_token[c]) for st in stages]
                     for c in per_token})
+
+
+# OffloadPolicy(device="nvme")'s defaults: buffer_count x state arrays x chunk_mb of host buffers
+NVME_BUFFERS = 4 * 3 * 16 * 2**20
+
+
+def _on_disk(st: StagePlan, shard_param_bytes: float, disk_rate) -> StagePlan:
+    """A stage with its offloaded state on disk ([Note: NVMe swap]): in host memory only the chunk
+    buffers and one param shard (the new params until a step commits); disk_rate: a
+    disk.DiskRate (or anything with .seconds(bytes each way)), or None."""
+    state = st.cpu_bytes  # what offload moved off the GPU (0 at stage 0, which keeps it there)
+    if not state:
+        return st
+    return replace(st, cpu_bytes=NVME_BUFFERS + shard_param_bytes, disk_bytes=state,
+                   disk_seconds=None if disk_rate is None else disk_rate.seconds(state))
 
 
 def _stage(stage, dp, b, p_bytes, g_bytes, master, adam, offload, bucket_cap_mb, largest_param, unit_params,

@@ -4,12 +4,15 @@ O_DIRECT bandwidth on the same path, and against the same step with the state in
     python bench/nvme_step.py --path /var/tmp --params 2e8 --rounds 3
 
 One process (zero_stage=1 on one rank: every param's state on this rank). Each round, interleaved:
-dd writes and reads a file of the step's size with O_DIRECT (the disk's read and write GB/s), then
-one step() in memory, then one with the state on disk (backward outside the timing). The step
+dd writes and reads a file of the step's size with O_DIRECT (the disk's read and write GB/s, one
+stream, one after the other), fio runs a 50/50 mix of 16 MB O_DIRECT reads and writes at queue
+depth 8 (the step's own pattern; where fio is installed), then one step() in memory, then one with
+the state on disk (backward outside the timing). The step
 moves each state array twice (read from one slot, written to the other): 8 B/param each way for
 fp32 params (their own masters, in memory), 12 for bf16 (fp32 masters on disk too). `% of disk`
-is the time the disk needs for those bytes at the dd rates (read bytes / read GB/s + written
-bytes / write GB/s: one device does both) over the step's time.
+is the time the disk needs for those bytes over the step's time: at fio's mixed rate (read + write
+GB/s at once) where fio is installed, else at dd's (read bytes / read GB/s + written bytes / write
+GB/s).
 """
 
 import argparse
@@ -17,6 +20,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import time
@@ -38,6 +42,24 @@ def dd(path, nbytes, block=16 << 20):
             copied = re.search(r"(\d+) bytes .* copied, ([\d.]+) s", out)
             rates.append(int(copied.group(1)) / float(copied.group(2)) / 1e9)
         return tuple(rates)
+    finally:
+        if os.path.exists(name):
+            os.unlink(name)
+
+
+def fio_mixed(path, nbytes, seconds=6):
+    """(read GB/s, write GB/s) of fio's 50/50 mix of 16 MB O_DIRECT reads and writes at queue depth 8
+    on an nbytes file at `path` (the step's own pattern: both at once), or None without fio."""
+    if shutil.which("fio") is None:
+        return None
+    name = os.path.join(path, f"zerokern-fio-{os.getpid()}.bin")
+    try:
+        out = subprocess.run(["fio", "--name=mix", f"--filename={name}", f"--size={max(nbytes, 64 << 20)}",
+                              "--bs=16M", "--direct=1", "--rw=rw", "--rwmixread=50", "--iodepth=8",
+                              "--ioengine=libaio", f"--runtime={seconds}", "--time_based", "--output-format=json"],
+                             capture_output=True, text=True, check=True).stdout
+        job = json.loads(out[out.index("{"):])["jobs"][0]
+        return job["read"]["bw_bytes"] / 1e9, job["write"]["bw_bytes"] / 1e9
     finally:
         if os.path.exists(name):
             os.unlink(name)
@@ -84,14 +106,20 @@ def main():
     rows = []
     for r in range(args.rounds):
         w, rd = dd(args.path, moved)
+        mix = fio_mixed(args.path, moved)
         t_mem = timed_step(*mem)
         t_disk = timed_step(*disk)
-        need = moved / (rd * 1e9) + moved / (w * 1e9)
-        rows.append(dict(round=r, dd_write_gbs=w, dd_read_gbs=rd, step_in_memory_s=t_mem, step_on_disk_s=t_disk,
+        # the disk's time for the step's bytes: at fio's rates for reads and writes at once where fio is
+        # installed (the step's pattern), else at dd's separate rates, one after the other
+        need = 2 * moved / ((mix[0] + mix[1]) * 1e9) if mix else moved / (rd * 1e9) + moved / (w * 1e9)
+        rows.append(dict(round=r, dd_write_gbs=w, dd_read_gbs=rd, fio_mixed_read_gbs=mix and mix[0],
+                         fio_mixed_write_gbs=mix and mix[1], step_in_memory_s=t_mem, step_on_disk_s=t_disk,
                          disk_time_s=need, pct_of_disk=100 * need / t_disk))
-        print(f"round {r}: dd write {w:.2f} GB/s, read {rd:.2f} GB/s; step in memory {t_mem:.3f} s, on disk "
-              f"{t_disk:.3f} s; the disk needs {need:.3f} s for its {2 * moved / 1e9:.2f} GB: {100 * need / t_disk:.0f}%")
-    med = {k: statistics.median(row[k] for row in rows) for k in rows[0] if k != "round"}
+        print(f"round {r}: dd write {w:.2f} GB/s, read {rd:.2f} GB/s"
+              + ("" if not mix else f"; fio 50/50 mix read {mix[0]:.2f} + write {mix[1]:.2f} GB/s")
+              + f"; step in memory {t_mem:.3f} s, on disk {t_disk:.3f} s; the disk needs {need:.3f} s for its "
+              f"{2 * moved / 1e9:.2f} GB ({'fio' if mix else 'dd'}): {100 * need / t_disk:.0f}%")
+    med = {k: statistics.median(row[k] for row in rows) for k in rows[0] if k != "round" and rows[0][k] is not None}
     spread = {k: (min(row[k] for row in rows), max(row[k] for row in rows)) for k in med}
     print(f"median of {args.rounds}: step on disk {med['step_on_disk_s']:.3f} s "
           f"({spread['step_on_disk_s'][0]:.3f}-{spread['step_on_disk_s'][1]:.3f}), in memory "

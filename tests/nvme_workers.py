@@ -149,3 +149,14 @@ def stage3_matches_in_memory(rank, world, dtype, path, steps=4):
     return {"streams": all(getattr(s, "streams", False) for s in ob.stores),
             "params": all(torch.equal(x.param_shard(), y.param_shard()) for x, y in zip(oa.stores, ob.stores)),
             "state": len(sa) == len(sb) and all(torch.equal(x, y) for x, y in zip(sa, sb)), "n_state": len(sa)}
+
+
+def full_disk(rank, world, path):
+    """State that does not fit the filesystem at `path`: every rank raises, naming the bytes."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024))
+    try:
+        FusedZeroAdam(model.parameters(), lr=1e-2, zero_stage=2, offload=nvme(path))
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return None

@@ -78,3 +78,31 @@ def test_what_nvme_offload_does_not_offer_is_refused(tmp_path):
 def test_stage3_state_on_disk_trains_bit_for_bit_as_in_memory(tmp_path, dtype):
     for r in dist_harness.values(dist_harness.run(W.stage3_matches_in_memory, 2, dtype, str(tmp_path))):
         assert r["streams"] and r["params"] and r["state"] and r["n_state"] >= 6, r
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """An 8 MB ext4 filesystem, loop-mounted (root, mkfs.ext4 and mount needed; else skipped)."""
+    import shutil
+    import subprocess
+    if os.geteuid() != 0 or not shutil.which("mkfs.ext4") or not shutil.which("mount"):
+        pytest.skip("needs root, mkfs.ext4 and mount for a loop-mounted filesystem")
+    image, mnt = tmp_path / "fs.img", tmp_path / "mnt"
+    mnt.mkdir()
+    subprocess.run(["truncate", "-s", "8M", str(image)], check=True)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True, capture_output=True)
+    done = subprocess.run(["mount", "-o", "loop", str(image), str(mnt)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"loop mount refused here: {done.stderr.strip()}")
+    try:
+        yield str(mnt)
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_a_full_disk_raises_on_every_rank_with_the_bytes(small_filesystem):
+    for msg in dist_harness.values(dist_harness.run(W.full_disk, 2, small_filesystem)):
+        assert msg and "NvmeOffloadError" in msg, msg
+        for rank in (0, 1):  # both ranks' state (about 17 MB each) is more than the 8 MB filesystem has
+            assert f"rank {rank}: {small_filesystem} has " in msg and "bytes free, and this rank's state needs" in msg, msg
+    assert os.listdir(small_filesystem) == ["lost+found"]  # nothing left behind

@@ -58,6 +58,23 @@ def test_killed_rank_restarts_on_the_same_curve(tmp_path, uninterrupted):
 
 
 @pytest.mark.slow  # train_gpt.py jobs launched through torchrun (pyproject: slow)
+def test_killed_rank_with_its_state_on_disk_restarts_on_the_in_memory_curve(tmp_path, uninterrupted):
+    """Issue 47: the optimizer state on disk (--offload nvme), a rank killed mid-run, torchrun's
+    restart resumes from the DCP checkpoint: the losses of the run that kept its state in memory, bit
+    for bit; the killed rank's scratch file went with its process."""
+    disk = tmp_path / "nvme"
+    disk.mkdir()
+    proc, log, _ = _train(tmp_path, "killed-nvme", 2, "--ckpt-dir", str(tmp_path / "ckpt"), "--kill-at-step", "5",
+                          "--offload", "nvme", "--offload-path", str(disk), "--offload-chunk-mb", "0.25",
+                          restarts=1)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert "rank 1: killed at step 5" in out and "resumed from" in out, out[-6000:]
+    assert log["first_step"] == 4 and log["losses"] == uninterrupted[4:], (log["losses"], uninterrupted)
+    assert os.listdir(disk) == []
+
+
+@pytest.mark.slow  # train_gpt.py jobs launched through torchrun (pyproject: slow)
 def test_lost_rank_ends_the_job_and_resumes_at_another_world_size(tmp_path, uninterrupted):
     ckpt = str(tmp_path / "ckpt")
     proc, log, seconds = _train(tmp_path, "killed", 2, "--ckpt-dir", ckpt, "--kill-at-step", "5")

@@ -95,7 +95,7 @@ def parser():
                     help="--offload-optimizer nvme: the disk's O_DIRECT read and write GB/s per GPU (e.g. 6,4), "
                          "for the step's disk time")
     hw.add_argument("--measure-disk", metavar="PATH",
-                    help="--offload-optimizer nvme: measure a directory's O_DIRECT read and write GB/s (512 MB "
+                    help="--offload-optimizer nvme: measure a directory's O_DIRECT read and write GB/s (256 MB "
                          "written and read back) and use them for the step's disk time")
     hw.add_argument("--gpu-memory", type=parse_bytes, default=80e9,
                     help="per GPU, with a unit: 80GB (the default), 141GB, 24GiB")

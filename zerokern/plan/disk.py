@@ -27,7 +27,7 @@ class DiskRate(NamedTuple):
         return nbytes_each_way / (self.read_gbs * 1e9) + nbytes_each_way / (self.write_gbs * 1e9)
 
 
-def measure(path: str, nbytes: int = 512 << 20) -> DiskRate:
+def measure(path: str, nbytes: int = 256 << 20) -> DiskRate:
     """Write then read `nbytes` at `path` with O_DIRECT (page-aligned buffers from an anonymous map)."""
     if not os.path.isdir(path):
         raise ValueError(f"--measure-disk {path}: not a directory")

@@ -106,3 +106,28 @@ def test_a_full_disk_raises_on_every_rank_with_the_bytes(small_filesystem):
         for rank in (0, 1):  # both ranks' state (about 17 MB each) is more than the 8 MB filesystem has
             assert f"rank {rank}: {small_filesystem} has " in msg and "bytes free, and this rank's state needs" in msg, msg
     assert os.listdir(small_filesystem) == ["lost+found"]  # nothing left behind
+
+
+def test_state_tensors_held_across_steps_stay_live_and_edits_reach_the_disk(tmp_path):
+    """opt.state[p]'s tensors are the same objects after step() (a kept reference sees the new values,
+    as with torch.optim, though each step writes the other slot), and an edit through them (here:
+    exp_avg zeroed) is what the next step reads: the in-memory run's numbers, bit for bit."""
+    runs = []
+    for offload in (None, OffloadPolicy(device="nvme", path=str(tmp_path), chunk_mb=4096 / 2**20)):
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(40, 30)
+        opt = FusedZeroAdam(lin.parameters(), lr=1e-2, offload=offload)
+        held, seen = None, []
+        for k in range(4):
+            opt.zero_grad()
+            lin(torch.randn(3, 40, generator=torch.Generator().manual_seed(k))).square().sum().backward()
+            opt.step()
+            held = opt.state[lin.weight]["exp_avg"] if held is None else held
+            assert held is opt.state[lin.weight]["exp_avg"]
+            seen.append(held.clone())
+            if k == 1:
+                held.zero_()  # a user's edit of the state between steps
+        runs.append((seen, [p.detach().clone() for p in lin.parameters()]))
+    (seen0, params0), (seen1, params1) = runs
+    assert all(torch.equal(a, b) for a, b in zip(seen0, seen1))
+    assert all(torch.equal(a, b) for a, b in zip(params0, params1))

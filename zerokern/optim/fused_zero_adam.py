@@ -257,8 +257,19 @@ class FusedZeroAdam(EngineOptimizer):
                                    "last step): " + "; ".join(failed))
         for store, pieces in zip(self.stores, self._pieces):
             store.commit()
-            self._init_state(store, pieces)  # self.state[p] views the slot just written
+            self._repoint_state(store, pieces)
         self._step_buffer += torch.tensor(had, dtype=torch.float32)
+
+    def _repoint_state(self, store, pieces):
+        """self.state[p]'s tensors, the same objects, now over the slot just written (set_ moves a tensor
+        to other memory in place): a reference a user keeps across step() stays live, as with torch.optim."""
+        bases = {"exp_avg": store.exp_avg, "exp_avg_sq": store.exp_avg_sq}
+        if store.separate_master:
+            bases["master_param"] = store.master
+        for k, (t, off, n, _) in enumerate(pieces):
+            st = self.state[self.engine.param_of(store, k)[0]]
+            for key, base in bases.items():
+                st[key].set_(base.untyped_storage(), base.storage_offset() + off, (n,), (1,))
 
     def _update_lowbit(self, had, scale):
         """The update over LowBitStores: one fused_adam_lowbit_ call per (param group, step count),

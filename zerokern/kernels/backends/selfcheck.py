@@ -26,6 +26,9 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
+from .. import lowbit, ops, wire, wire_ops
+from ..lowbit_ops import fused_adam_lowbit_
+
 SWITCH = "ZEROKERN_CUDA_KERNELS"  # "0": the cuda backend reports itself unavailable (registry.py)
 
 
@@ -33,13 +36,13 @@ class KernelSelfCheckError(RuntimeError):
     """A compiled kernel disagreed with zerokern's CPU kernel in its first-call self-check."""
 
 
-_passed = set()  # (family, backend, device): checked in this process (or being checked: it re-enters)
+_passed = set()  # (family, backend, torch.device): checked in this process (or being checked: it re-enters)
 _seconds: Dict[Tuple[str, str, str], float] = {}  # how long each passed check took
 
 
 def ensure(family: str, device: torch.device, backend: str = "cuda", oracle: str = "cpu") -> None:
     """Check `family`'s kernels of `backend` on `device` once per process; raise on a mismatch."""
-    key = (family, backend, str(device))
+    key = (family, backend, device)  # hashed as it comes: this runs before every launch of the family
     if key in _passed:
         return
     if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
@@ -54,7 +57,7 @@ def ensure(family: str, device: torch.device, backend: str = "cuda", oracle: str
     if problem is not None:
         _passed.discard(key)  # every later call raises too
         raise KernelSelfCheckError(_message(family, device, backend, oracle, problem))
-    _seconds[key] = time.perf_counter() - start
+    _seconds[(family, backend, str(device))] = time.perf_counter() - start
 
 
 def seconds() -> Dict[Tuple[str, str, str], float]:
@@ -149,8 +152,6 @@ _ADAM_TOL = dict(rtol=2e-6, atol=1e-7)
 
 
 def _adam(device, backend, oracle):
-    from .. import ops
-
     gen = torch.Generator().manual_seed(0)
     values = [[_randn(n, gen) for n in _SIZES], [_randn(n, gen).bfloat16() for n in _SIZES],
               [_randn(n, gen, 0.1) for n in _SIZES], [_randn(n, gen, 0.01).abs() for n in _SIZES],
@@ -174,8 +175,6 @@ def _adam(device, backend, oracle):
 
 
 def _flat(device, backend, oracle):
-    from .. import ops
-
     gen = torch.Generator().manual_seed(1)
     values = [_randn(5, gen), _randn(130, gen).bfloat16(), _randn(1027, gen)]
     on, ref = _pair(values, device, (0, 0, 1))
@@ -193,9 +192,6 @@ def _flat(device, backend, oracle):
 
 
 def _lowbit(device, backend, oracle):
-    from .. import lowbit
-    from ..lowbit_ops import fused_adam_lowbit_
-
     gen = torch.Generator().manual_seed(2)
     n = 2 * lowbit.BLOCK + 44  # two whole blocks and a tail
     blocks = lowbit.num_blocks(n)
@@ -229,8 +225,6 @@ def _lowbit(device, backend, oracle):
 
 
 def _wire(device, backend, oracle):
-    from .. import wire, wire_ops
-
     gen = torch.Generator().manual_seed(3)
     n = 3 * wire.BLOCK + 9  # whole blocks and an odd tail (int4 packs two codes a byte)
     x = _randn(n, gen)

@@ -7,6 +7,7 @@ new params and the written slot become current); nothing is changed before commi
 bookkeeping of a separate master (refresh_master, refresh_params, the round-trip check) is
 ShardStore's, over tensors that view the file."""
 
+import concurrent.futures
 from typing import TYPE_CHECKING, Callable, List, Optional
 
 import torch
@@ -123,10 +124,10 @@ class NvmeStore(ShardStore):
                 for f in fs or ():
                     f.result()
         except NvmeOffloadError as e:
-            for fs in reads + writes:  # let nothing run on into the buffers after we return
-                for f in fs or ():
-                    f.cancel()
-                    concurrent_wait(f)
+            pending = [f for fs in reads + writes for f in fs or ()]
+            for f in pending:
+                f.cancel()
+            concurrent.futures.wait(pending)  # nothing runs on into the buffers after we return
             return f"rank {self.rank}: {e}"
         return None
 
@@ -135,14 +136,6 @@ class NvmeStore(ShardStore):
         if self.n:
             self._param_shard.copy_(self.staging)
         self._slot = 1 - self._slot
-
-
-def concurrent_wait(future) -> None:
-    """Wait for a future that may have failed (its error was reported already)."""
-    try:
-        future.result()
-    except Exception:  # noqa: BLE001
-        pass
 
 
 def create(placed, policy: OffloadPolicy, comm, what: str) -> List[NvmeStore]:
@@ -164,7 +157,7 @@ def create(placed, policy: OffloadPolicy, comm, what: str) -> List[NvmeStore]:
                             largest=max((f.param_shard(b).numel() for f, b in placed), default=1))
         except NvmeOffloadError as e:
             problem = str(e)
-    problems = [p for p in comm.gather_objects(problem and f"rank {rank}: {problem}", name="nvme_path")]
+    problems = comm.gather_objects(problem and f"rank {rank}: {problem}", name="nvme_path")
     if any(problems):
         raise NvmeOffloadError(
             f"zerokern: {what}(offload=OffloadPolicy(device='nvme', path={policy.path!r})) cannot keep the optimizer "

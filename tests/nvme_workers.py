@@ -133,22 +133,70 @@ def bad_path(rank, world, paths):
     return None
 
 
-def stage3_matches_in_memory(rank, world, dtype, path, steps=4):
-    """Stage 3 (each Linear a unit, then the root): the state of this rank's param shards on disk."""
-    runs = []
-    for offload in (None, nvme(path)):
-        model = model_of(dtype)
-        for layer in (model[0], model[2], model[4]):
-            zerokern.shard(layer, stage=3, bucket_cap_mb=0.02, offload=offload)
-        zerokern.shard(model, stage=3, bucket_cap_mb=0.02, offload=offload)
+def in_mapping(t, swapfile):
+    """Does t's memory lie in the swap file's mapping?"""
+    base = swapfile.tensor(0, 1).data_ptr()
+    return base <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= base + swapfile.nbytes
+
+
+def stage3_model(dtype, offload, seed=0):
+    """Stage 3: each Linear a unit, then the root."""
+    model = model_of(dtype, seed=seed)
+    for layer in (model[0], model[2], model[4]):
+        zerokern.shard(layer, stage=3, bucket_cap_mb=0.02, offload=offload)
+    zerokern.shard(model, stage=3, bucket_cap_mb=0.02, offload=offload)
+    return model
+
+
+def stage3_matches_in_memory(rank, world, dtype, path, steps=4, params=False):
+    """Stage 3: the state of this rank's param shards on disk (params=True: the shards too)."""
+    runs, advised = [], []
+    real = swap.SwapFile.advise
+
+    def advise(self, offset, nbytes, need):
+        advised.append(need)
+        return real(self, offset, nbytes, need)
+    swap.SwapFile.advise = advise
+    for offload in (None, nvme(path, params=params)):
+        model = stage3_model(dtype, offload)
         opt = FusedZeroAdam(model.parameters(), lr=1e-2, weight_decay=0.05)
         train(model, opt, rank, world, 0, steps)
-        runs.append((model, opt))
-    (a, oa), (b, ob) = runs
+        x, _ = batches(steps + 1)[steps]
+        with torch.no_grad():
+            out = model(x.to(dtype))
+        runs.append((model, opt, out))
+    (a, oa, outa), (b, ob, outb) = runs
     sa, sb = state_of(oa), state_of(ob)
+    shards = [s.param_shard() for s in ob.stores]
     return {"streams": all(getattr(s, "streams", False) for s in ob.stores),
             "params": all(torch.equal(x.param_shard(), y.param_shard()) for x, y in zip(oa.stores, ob.stores)),
-            "state": len(sa) == len(sb) and all(torch.equal(x, y) for x, y in zip(sa, sb)), "n_state": len(sa)}
+            "outputs": torch.equal(outa, outb),
+            "state": len(sa) == len(sb) and all(torch.equal(x, y) for x, y in zip(sa, sb)), "n_state": len(sa),
+            # params=True: every slice is a view of the swap file's mapping, not memory of its own
+            "shards_in_file": all(in_mapping(t, ob.stores[0].swap) for t in shards),
+            "report": ob.memory_report(), "ref_report": oa.memory_report(),
+            "prefetched": advised.count(True), "released": advised.count(False)}
+
+
+def stage3_dcp_save(rank, world, path, ckpt):
+    model = stage3_model(torch.bfloat16, nvme(path, params=True))
+    opt = FusedZeroAdam(model.parameters(), lr=1e-2, weight_decay=0.05)
+    train(model, opt, rank, world, 0, 3)
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=ckpt)
+    train(model, opt, rank, world, 3, 5)
+    return [s.param_shard().float().clone() for s in opt.stores]
+
+
+def stage3_dcp_resume(rank, world, path, ckpt, on_disk):
+    """A fresh stage-3 model (param shards on disk, or in memory) loads the checkpoint and goes on."""
+    model = stage3_model(torch.bfloat16, nvme(path, params=True) if on_disk else None, seed=7)
+    opt = FusedZeroAdam(model.parameters(), lr=1e-2, weight_decay=0.05)
+    sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(sd, checkpoint_id=ckpt)
+    set_model_state_dict(model, sd["model"])
+    set_optimizer_state_dict(model, opt, sd["optim"])
+    train(model, opt, rank, world, 3, 5)
+    return [s.param_shard().float().clone() for s in opt.stores]
 
 
 def full_disk(rank, world, path):

@@ -77,7 +77,46 @@ def test_what_nvme_offload_does_not_offer_is_refused(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_stage3_state_on_disk_trains_bit_for_bit_as_in_memory(tmp_path, dtype):
     for r in dist_harness.values(dist_harness.run(W.stage3_matches_in_memory, 2, dtype, str(tmp_path))):
-        assert r["streams"] and r["params"] and r["state"] and r["n_state"] >= 6, r
+        assert r["streams"] and r["params"] and r["outputs"] and r["state"] and r["n_state"] >= 6, r
+        assert not r["shards_in_file"] and r["released"] == r["prefetched"] == 0, r  # params=False: in memory
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_stage3_params_on_disk_train_bit_for_bit_as_in_memory(tmp_path, dtype):
+    """OffloadPolicy(params=True): the param slices live in the swap file, read for each gather and
+    written by the update; the same params, outputs and state as in memory, and memory_report no
+    longer counts the slices (on_disk does)."""
+    for r in dist_harness.values(dist_harness.run(W.stage3_matches_in_memory, 2, dtype, str(tmp_path), 4, True)):
+        assert r["streams"] and r["params"] and r["outputs"] and r["state"] and r["n_state"] >= 6, r
+        assert r["shards_in_file"], r
+        # each step: 3 units gathered for forward and again for backward, each slice dropped after its
+        # gather (the no_grad forward at the end: 3 more); the units after the first read ahead
+        assert r["released"] >= 4 * 6 + 3 and r["prefetched"] >= 4 * 2, r
+        rep, ref = r["report"], r["ref_report"]
+        slices = ref["params"]  # in memory: only the slices (every unit is resharded after step())
+        assert slices > 0 and rep["params"] == 0, (rep, ref)
+        size = torch.finfo(dtype).bits // 8
+        state = ref["adam_state"] + ref["master_params"]
+        assert rep["on_disk"] >= state + slices and rep["on_disk"] - state - slices < 3 * 4096 * size, (rep, ref)
+
+
+def test_stage3_params_on_disk_resume_from_dcp(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    for d in "abc":
+        (tmp_path / d).mkdir()
+    want = dist_harness.values(dist_harness.run(W.stage3_dcp_save, 2, str(tmp_path / "a"), ckpt))
+    for on_disk, d in ((True, "b"), (False, "c")):
+        got = dist_harness.values(dist_harness.run(W.stage3_dcp_resume, 2, str(tmp_path / d), ckpt, on_disk))
+        for w, g in zip(want, got):
+            assert len(w) == len(g) and all(torch.equal(a, b) for a, b in zip(w, g)), on_disk
+
+
+def test_params_on_disk_is_for_stage_3_on_several_ranks(tmp_path):
+    with pytest.raises(ValueError, match=r"params=True.*needs device='nvme'"):
+        OffloadPolicy(params=True)
+    nv = OffloadPolicy(device="nvme", path=str(tmp_path), params=True)
+    with pytest.raises(ValueError, match=r"params=True.*at stage 2 every rank holds the whole params"):
+        FusedZeroAdam(make_model(torch.float32).parameters(), zero_stage=2, offload=nv)
 
 
 @pytest.fixture

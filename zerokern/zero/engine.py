@@ -22,6 +22,7 @@ from .grad_norm import global_norm
 from .grads import ddp_guard
 from .grads.path import grad_path
 from .grads.schedule import ReduceSchedule
+from .core.stage import ParamMode
 from .options import sharding
 from .params.policy import param_policy
 from .state import nvme_store
@@ -94,6 +95,10 @@ class ZeroEngine:
             if why:
                 raise ValueError(f"zerokern: OffloadPolicy(device='nvme') with {why} is not offered yet; use "
                                  "FusedZeroAdam with fp32 state, or OffloadPolicy(device='cpu')")
+            if config.offload.params and strategy.params is not ParamMode.GATHER_PER_UNIT:
+                raise ValueError(f"zerokern: OffloadPolicy(params=True) puts stage 3's param shards on disk, but "
+                                 f"with {self.comm.world_size} rank(s) every rank holds whole params: it needs stage 3 "
+                                 "on 2 or more ranks (or params=False)")
             self.stores = nvme_store.create(placed, config.offload, self.comm, what)
         else:
             self.stores = [ShardStore(f, b, config.offload, state_keys, holds_gathered=holds) if state is None
@@ -301,7 +306,7 @@ class ZeroEngine:
         disk = [s for s in self.stores if getattr(s, "streams", False)]
         if disk:  # OffloadPolicy(device="nvme"): beside the memory, not in its total
             rep["nvme_buffers"] = disk[0].swap.buffer_bytes() + sum(s.staging.numel() * s.staging.element_size()
-                                                                   for s in disk)
+                                                                   for s in disk if s.staging is not None)
             rep["total"] += rep["nvme_buffers"]
             rep["on_disk"] = sum(s.disk_bytes() for s in disk)
         return rep

@@ -65,6 +65,9 @@ class FlatParams:
         self.param_shards: List[torch.Tensor] = [self.param_bufs.shard(self.rank, b)
                                                  for b in range(len(self.layout.buckets))]
         self.buckets = grads.make_buckets(self, comm, strategy, config.reduce_precision)
+        # stage 3 with OffloadPolicy(params=True): bucket -> the NvmeStore whose file holds the slice
+        # ([Note: stage-3 params on disk] in state/nvme_store.py); None: the slices are in memory
+        self.shard_io = None
         self.changed = set()  # params adopted with new values since the stores last looked
         for i, m in enumerate(self.members):
             if m.param.grad is None:

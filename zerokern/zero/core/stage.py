@@ -52,7 +52,9 @@ class OffloadPolicy:
     shard back. device="nvme": in a scratch file under `path`, one per rank holding that rank's
     shard only, streamed through `buffer_count` chunks of `chunk_mb` MB per state array
     ([Note: NVMe swap] in zero/state/swap.py). fp32 params stay their own masters in memory; only
-    the moments (and fp16/bf16 params' fp32 masters) go to disk."""
+    the moments (and fp16/bf16 params' fp32 masters) go to disk, unless params=True: at stage 3 the
+    param shards too, read just before each gather and written by the update ([Note: stage-3 params
+    on disk] in zero/state/nvme_store.py)."""
 
     device: str = "cpu"
     path: Optional[str] = None  # nvme: a directory on a local disk (not tmpfs); each rank's file is its own
@@ -60,6 +62,7 @@ class OffloadPolicy:
     chunk_mb: float = 16.0  # nvme: MB of one state array streamed at a time
     buffer_count: int = 4  # nvme: chunks in flight: read ahead, being updated, being written back
     io_threads: int = 4  # nvme: threads issuing the reads and writes (O_DIRECT, aligned)
+    params: bool = False  # nvme at stage 3: this rank's param shards on disk too (DeepSpeed's offload_param)
 
     def __post_init__(self):
         if self.device not in ("cpu", "nvme"):
@@ -70,6 +73,11 @@ class OffloadPolicy:
                              "writes one scratch file of its own shard's state")
         if self.device == "cpu" and self.path is not None:
             raise ValueError(f"OffloadPolicy(device='cpu', path={self.path!r}): a path is for device='nvme'")
+        if not isinstance(self.params, bool):
+            raise TypeError(f"OffloadPolicy(params=...) must be True or False, got {self.params!r}")
+        if self.params and self.device != "nvme":
+            raise ValueError("OffloadPolicy(params=True) keeps stage 3's param shards in the files under path=: it "
+                             "needs device='nvme'")
         if not isinstance(self.pin_memory, bool):
             raise TypeError(f"OffloadPolicy(pin_memory=...) must be True or False, got {self.pin_memory!r}")
         if isinstance(self.chunk_mb, bool) or not isinstance(self.chunk_mb, (int, float)) or not (
@@ -127,6 +135,9 @@ class ShardConfig:
                              "gathered in its forward (the next unit's gather prefetched); leave it off")
         if self.stage == 3 and self.offload is not None and not self.offload.on_disk:
             raise ValueError("offload at stage 3 is not offered yet; use stage=2 with offload, or stage=3 without")
+        if self.stage != 3 and self.offload is not None and self.offload.params:
+            raise ValueError(f"OffloadPolicy(params=True) puts stage 3's param shards on disk, but at stage {self.stage} "
+                             "every rank holds the whole params in memory: use stage 3, or params=False")
         if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, (int, float)):
             raise TypeError(f"bucket_cap_mb must be a number, got {type(self.bucket_cap_mb).__name__}")
         if not 0 < self.bucket_cap_mb < float("inf"):

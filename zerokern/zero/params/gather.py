@@ -78,6 +78,8 @@ class BucketParams:
             else:
                 mine = f.param_shard(self.b)  # a view of the buffer: the gather is in place
             self._work = self.comm.all_gather(buf, mine, name=name)
+        if f.shard_io is not None:  # the slice was read from disk and copied: [Note: stage-3 params on disk]
+            f.shard_io[self.b].release_param()
         self.state = ParamState.GATHERING
 
     def wait(self) -> None:

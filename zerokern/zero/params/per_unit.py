@@ -166,6 +166,14 @@ class UnitParams:
         for bp in self.buckets:
             bp.launch()
 
+    def prefetch(self) -> None:
+        """Its slices on disk start coming into memory (a gather of it follows soon; [Note: stage-3
+        params on disk] in state/nvme_store.py). Nothing for slices in memory."""
+        if self.state is ParamState.SHARDED:
+            for f in self.flats:
+                for io in (f.shard_io or {}).values():
+                    io.prefetch_param()
+
     def wait(self) -> None:
         """GATHERING -> GATHERED: the params view the full buffers."""
         if self.state is not ParamState.GATHERING:
@@ -201,8 +209,8 @@ class UnitParams:
                 bp.wire.updates += 1
 
     def nbytes(self) -> int:
-        """Bytes of param memory this rank holds now: its slices and any full buffer."""
-        return sum(t.numel() * t.element_size() for f in self.flats for t in f.param_shards) + sum(
+        """Bytes of param memory this rank holds now: its slices (unless on disk) and any full buffer."""
+        return sum(t.numel() * t.element_size() for f in self.flats if f.shard_io is None for t in f.param_shards) + sum(
             buf.untyped_storage().nbytes() for f in self.flats for buf in f.param_bufs.buffers)
 
 
@@ -385,6 +393,13 @@ class Stage3Runtime:
                 return x
         return None
 
+    def _read_ahead(self, order, launched) -> None:
+        """The unit after the one just launched: its slices on disk start coming in, behind this
+        unit's compute and the next one's gather ([Note: stage-3 params on disk])."""
+        after = self._next(order, launched)
+        if after is not None:
+            after.prefetch()
+
     # --- forward ---------------------------------------------------------------
 
     def pre_forward(self, up) -> None:
@@ -408,6 +423,7 @@ class Stage3Runtime:
         nxt = self._next(self.order, up) if self.prefetch else None
         if nxt is not None:
             nxt.launch()
+            self._read_ahead(self.order, nxt)
 
     def post_forward(self, up, output) -> None:
         if _in_backward():
@@ -439,6 +455,7 @@ class Stage3Runtime:
             nxt = self._next(self.backward_order, up) if grad and self.prefetch else None
             if nxt is not None:
                 nxt.launch()  # the first unit backward reaches after the root: behind the loss
+                self._read_ahead(self.backward_order, nxt)
 
     # --- backward --------------------------------------------------------------
 
@@ -455,6 +472,7 @@ class Stage3Runtime:
         nxt = self._next(self.backward_order, up)
         if nxt is not None:
             nxt.launch()
+            self._read_ahead(self.backward_order, nxt)
 
     def after_grad(self, up) -> None:
         if up.state is ParamState.SHARDED:

@@ -150,9 +150,10 @@ class UnitShards(WholeParams):
         return []  # shard() did it, before keeping this rank's slices
 
     def param_bytes(self, flat, b: int) -> int:
-        """The slice, and the full buffer while gathered."""
+        """The slice (unless on disk: OffloadPolicy(params=True)), and the full buffer while gathered."""
         buf = flat.param_bufs.buffers[b]
-        return flat.param_shard(b).numel() * buf.element_size() + buf.untyped_storage().nbytes()
+        mine = 0 if flat.shard_io is not None else flat.param_shard(b).numel() * buf.element_size()
+        return mine + buf.untyped_storage().nbytes()
 
     def gather_whole(self, flat, comm, keep: bool, device, whole: dict) -> None:
         """full_state_dict: the whole dtype group at once, bucket by bucket (the same order on every

@@ -5,7 +5,19 @@ The protocol differs from ShardStore's operands()/finish(): an optimizer calls s
 update (run gets each chunk's operands), and, once every rank's stream() succeeded, commit() (the
 new params and the written slot become current); nothing is changed before commit(). The
 bookkeeping of a separate master (refresh_master, refresh_params, the round-trip check) is
-ShardStore's, over tensors that view the file."""
+ShardStore's, over tensors that view the file.
+
+[Note: stage-3 params on disk] With OffloadPolicy(params=True) (stage 3) the param shard is one
+more array of each slot, in its own dtype, and FlatParams.param_shards[b] is (set_ in place, so
+every holder follows) a view of the current slot's copy through the shared mapping. So everything
+that reads or writes a slice (the gathers, DCP's save and load hooks, full_state_dict, the masters'
+refresh) works unchanged, through the page cache. The update streams it with the state (fp32
+params: it is the master; bf16: the kernel writes it beside the fp32 master) into the other slot,
+and commit() re-points the view; nothing in memory holds the whole shard. Reads go at the disk's
+speed and memory stays bounded: the stage-3 runtime asks for the shards of the unit after the
+one it gathers (prefetch_param: readahead behind the next unit's forward), and a gather drops
+the shard's pages once it copied them (release_param), so the backward reads them again.
+"""
 
 import concurrent.futures
 from typing import TYPE_CHECKING, Callable, List, Optional
@@ -22,10 +34,30 @@ if TYPE_CHECKING:  # annotations only
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
 
+def _arrays(dtype: torch.dtype, params_on_disk: bool):
+    """(name, dtype) of the arrays in one slot of a shard of params of `dtype`."""
+    arrays = [(k, torch.float32) for k in STATE_KEYS]
+    if dtype != torch.float32:
+        arrays.append(("master", torch.float32))
+    if params_on_disk:
+        arrays.append(("param", dtype))
+    return arrays
+
+
+def _stride(n: int, dtype: torch.dtype) -> int:
+    """Bytes of one array of n elements in a slot: whole ALIGN blocks."""
+    return -(-padded(n) * dtype.itemsize // ALIGN) * ALIGN
+
+
+def _region_bytes(n: int, dtype: torch.dtype, params_on_disk: bool) -> int:
+    return 2 * sum(_stride(n, t) for _, t in _arrays(dtype, params_on_disk))
+
+
 class NvmeStore(ShardStore):
     streams = True  # the optimizer updates it with stream() and commit(), not operands()
 
-    def __init__(self, flat: "FlatParams", b: int, swap: SwapFile, rank: int):  # noqa: D107
+    def __init__(self, flat: "FlatParams", b: int, swap: SwapFile, rank: int,  # noqa: D107
+                 params_on_disk: bool = False):
         self.flat, self.b, self.swap, self.rank = flat, b, swap, rank
         self.bucket = flat.buckets[b]
         shard = self._param_shard = flat.param_shard(b)
@@ -33,21 +65,36 @@ class NvmeStore(ShardStore):
         self.offloaded = True
         self.low_precision = shard.dtype != torch.float32
         self.holds_gathered = False
-        self.separate_master = self.low_precision  # fp32 params are their own masters, in memory
+        self.separate_master = self.low_precision  # fp32 params are their own masters (in memory, or "param")
+        self.params_on_disk = params_on_disk
         self.n = n = shard.numel()
-        self.arrays = STATE_KEYS + (("master",) if self.separate_master else ())
-        self._stride = padded(n) * 4  # bytes of one array in one slot
-        self._base = swap.region(2 * len(self.arrays) * self._stride)
+        self._dtypes = dict(_arrays(shard.dtype, params_on_disk))
+        self.arrays = tuple(self._dtypes)
+        self._strides = {k: _stride(n, t) for k, t in self._dtypes.items()}
+        self._slot_bytes = sum(self._strides.values())
+        self._base = swap.region(2 * self._slot_bytes)
         self._slot = 0
-        self._views = [{k: swap.tensor(self._offset(s, k), n) for k in self.arrays} for s in (0, 1)]
-        self.staging = torch.empty(n, dtype=shard.dtype)  # the new params, until commit()
+        self._views = [{k: swap.tensor(self._offset(s, k), n, t) for k, t in self._dtypes.items()} for s in (0, 1)]
         swap.ring(len(self.arrays))  # the stated buffers, made now (memory_report counts them)
+        if params_on_disk:  # [Note: stage-3 params on disk]: the slice moves into the file
+            with torch.no_grad():
+                self._views[0]["param"].copy_(shard)
+            self._repoint_param()
+            self.staging = None
+        else:
+            self.staging = torch.empty(n, dtype=shard.dtype)  # the new params, until commit()
         self.refresh_master()
         self.master_valid = not self.separate_master
         self._filled_version = None
 
     def _offset(self, slot: int, key: str) -> int:
-        return self._base + (slot * len(self.arrays) + self.arrays.index(key)) * self._stride
+        before = self.arrays[:self.arrays.index(key)]
+        return self._base + slot * self._slot_bytes + sum(self._strides[k] for k in before)
+
+    def _repoint_param(self) -> None:
+        """param_shards[b] (the same tensor object, so every holder follows) views the current slot."""
+        v = self._views[self._slot]["param"]
+        self._param_shard.set_(v.untyped_storage(), v.storage_offset(), v.shape, v.stride())
 
     # the current slot's tensors: what self.state[p] views (FusedZeroAdam re-views after commit())
     @property
@@ -57,6 +104,16 @@ class NvmeStore(ShardStore):
     @property
     def master(self):
         return self._views[self._slot]["master"] if self.separate_master else self._param_shard
+
+    def prefetch_param(self) -> None:
+        """Start reading the param shard from disk: its unit is gathered soon."""
+        if self.params_on_disk:
+            self.swap.advise(self._offset(self._slot, "param"), self._strides["param"], need=True)
+
+    def release_param(self) -> None:
+        """The gather copied the param shard: its pages leave memory."""
+        if self.params_on_disk:
+            self.swap.advise(self._offset(self._slot, "param"), self._strides["param"], need=False)
 
     def operands(self):
         raise NotImplementedError("an NvmeStore streams: call stream() and commit()")
@@ -68,12 +125,12 @@ class NvmeStore(ShardStore):
         return {"master_params": 0, "adam_state": 0}  # in memory; on disk: disk_bytes()
 
     def disk_bytes(self) -> int:
-        """Bytes of state this store keeps on disk (one slot: the other is the next step's)."""
-        return len(self.arrays) * self.n * 4
+        """Bytes of state (and params) this store keeps on disk (one slot: the other is the next step's)."""
+        return sum(self.n * t.itemsize for t in self._dtypes.values())
 
     def stream(self, run: Callable) -> Optional[str]:
         """Update the shard chunk by chunk: run(lo, hi, master, grad, exp_avg, exp_avg_sq, model) on
-        elements [lo, hi) of the shard, with the state chunks read from the current slot and, after
+        elements [lo, hi) of the shard, with the arrays' chunks read from the current slot and, after
         run, written to the other one. None, or what failed (this rank's I/O error)."""
         if self.n == 0:
             return None
@@ -88,8 +145,13 @@ class NvmeStore(ShardStore):
         reads: List[Optional[list]] = [None] * count
         writes: List[Optional[list]] = [None] * len(ring)  # per buffer set: the writes from it in flight
 
-        def length(c):
-            return min(chunk, total - c * chunk)
+        def io(c, key):
+            """(floats of I/O, byte offset in the slot's array) of chunk c of array `key`: chunk
+            offsets are whole blocks (SwapFile.chunk), a 2-byte array's last length is rounded up
+            to one (inside the array's stride)."""
+            size = self._dtypes[key].itemsize
+            nbytes = -(-min(chunk, total - c * chunk) * size // ALIGN) * ALIGN
+            return nbytes // 4, c * chunk * size
 
         def start_read(c):
             k = c % len(ring)
@@ -97,7 +159,7 @@ class NvmeStore(ShardStore):
                 for f in writes[k]:
                     f.result()
                 writes[k] = None
-            reads[c] = [swap.read(buf, length(c), self._offset(src, key) + c * chunk * 4)
+            reads[c] = [swap.read(buf, io(c, key)[0], self._offset(src, key) + io(c, key)[1])
                         for buf, key in zip(ring[k], self.arrays)]
 
         try:
@@ -107,17 +169,19 @@ class NvmeStore(ShardStore):
                 for f in reads[c]:
                     f.result()
                 reads[c] = None
-                bufs = dict(zip(self.arrays, ring[c % len(ring)]))
                 lo, hi = c * chunk, min((c + 1) * chunk, self.n)
-                self.staging[lo:hi].copy_(shard[lo:hi])  # elements not updated keep their values
-                if self.separate_master:
-                    master, model = bufs["master"].tensor[:hi - lo], self.staging[lo:hi]
+                bufs = {key: buf.tensor.view(self._dtypes[key])[:hi - lo]
+                        for key, buf in zip(self.arrays, ring[c % len(ring)])}
+                if self.params_on_disk:  # the chunk read holds the params: the update writes them there
+                    model = bufs["param"]
                 else:
-                    master, model = self.staging[lo:hi], None
-                run(lo, hi, master, grad[lo:hi], bufs["exp_avg"].tensor[:hi - lo], bufs["exp_avg_sq"].tensor[:hi - lo],
-                    model)
-                writes[c % len(ring)] = [swap.write(bufs[key], length(c), self._offset(dst, key) + c * chunk * 4)
-                                         for key in self.arrays]
+                    model = self.staging[lo:hi]
+                    model.copy_(shard[lo:hi])  # elements not updated keep their values
+                master = bufs["master"] if self.separate_master else model
+                run(lo, hi, master, grad[lo:hi], bufs["exp_avg"], bufs["exp_avg_sq"],
+                    model if self.separate_master else None)
+                writes[c % len(ring)] = [swap.write(buf, io(c, key)[0], self._offset(dst, key) + io(c, key)[1])
+                                         for key, buf in zip(self.arrays, ring[c % len(ring)])]
                 if c + len(ring) - 1 < count:  # into the set of chunk c - 1, once its writes (issued a chunk
                     start_read(c + len(ring) - 1)  # ago, during this chunk's update) are done
             for fs in writes:
@@ -133,21 +197,18 @@ class NvmeStore(ShardStore):
 
     def commit(self) -> None:
         """Every rank streamed: the new params go live and the slot just written becomes current."""
-        if self.n:
-            self._param_shard.copy_(self.staging)
         self._slot = 1 - self._slot
+        if self.params_on_disk:
+            self._repoint_param()
+        elif self.n:
+            self._param_shard.copy_(self.staging)
 
 
 def create(placed, policy: OffloadPolicy, comm, what: str) -> List[NvmeStore]:
     """The NvmeStores of this rank's buckets (placed: (FlatParams, bucket index) pairs), in one
     swap file under policy.path, after every rank checked its path: a collective, and every rank
     raises when any rank cannot hold its state."""
-    sizes = []
-    for f, b in placed:
-        shard = f.param_shard(b)
-        arrays = len(STATE_KEYS) + (shard.dtype != torch.float32)
-        sizes.append(2 * arrays * padded(shard.numel()) * 4)
-    nbytes = sum(sizes)
+    nbytes = sum(_region_bytes(f.param_shard(b).numel(), f.param_shard(b).dtype, policy.params) for f, b in placed)
     rank = comm.rank if comm.distributed else 0
     problem = check_path(policy.path, nbytes)
     swap = None
@@ -164,4 +225,10 @@ def create(placed, policy: OffloadPolicy, comm, what: str) -> List[NvmeStore]:
             "state on disk: " + "; ".join(p for p in problems if p)
             + f". Each rank needs two slots of its shard's state ({ALIGN}-byte aligned); pass a directory on a "
             "local disk with room, on every rank")
-    return [NvmeStore(f, b, swap, rank) for f, b in placed]
+    stores = [NvmeStore(f, b, swap, rank, policy.params) for f, b in placed]
+    if policy.params:
+        for s in stores:
+            if s.flat.shard_io is None:
+                s.flat.shard_io = {}
+            s.flat.shard_io[s.b] = s  # the stage-3 gathers prefetch and release through it
+    return stores

@@ -139,8 +139,10 @@ class SwapFile:
         self._fd, self._dfd = fd, dfd
         self._mm = mmap.mmap(fd, max(nbytes, ALIGN), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self._used = 0
-        # fp32 per array and chunk: as asked, but no larger than the largest shard (padded) needs
-        self.chunk = max(FLOATS, min(int(policy.chunk_mb * 2**20) // 4 // FLOATS * FLOATS, padded(largest)))
+        # elements per array and chunk: as asked, but no larger than the largest shard needs, and a
+        # multiple of 2 * FLOATS, so that a chunk of a 2-byte array (bf16 params on disk) is whole blocks too
+        unit = 2 * FLOATS
+        self.chunk = max(unit, min(int(policy.chunk_mb * 2**20) // 4 // unit * unit, -(-largest // unit) * unit))
         self.buffer_count = policy.buffer_count
         self._pin = policy.pin_memory and torch.cuda.is_available()
         self._ring = {}  # arrays per chunk -> the ring of buffer sets, made at the first step
@@ -163,9 +165,23 @@ class SwapFile:
         assert nbytes % ALIGN == 0 and self._used <= self.nbytes, (nbytes, self._used, self.nbytes)
         return offset
 
-    def tensor(self, offset: int, n: int) -> torch.Tensor:
-        """n fp32 elements of the file at byte `offset`, through the shared mapping."""
-        return torch.frombuffer(self._mm, dtype=torch.float32, count=n, offset=offset)
+    def tensor(self, offset: int, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """n elements of the file at byte `offset`, through the shared mapping."""
+        return torch.frombuffer(self._mm, dtype=dtype, count=n, offset=offset)
+
+    def advise(self, offset: int, nbytes: int, need: bool) -> None:
+        """Tell the kernel what of the file the mapping reads next: need=True starts reading
+        [offset, offset + nbytes) into the page cache now (asynchronous readahead); need=False
+        says it was read and goes out of memory (its pages leave this process and the page
+        cache; a page written through the mapping is kept until it is on disk)."""
+        if nbytes <= 0:
+            return
+        if need:
+            os.posix_fadvise(self._fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
+        else:
+            if offset % mmap.PAGESIZE == 0:  # regions are ALIGN-aligned: a page here, not with 64 KB pages
+                self._mm.madvise(mmap.MADV_DONTNEED, offset, nbytes)
+            os.posix_fadvise(self._fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
 
     def flush(self) -> None:
         """Write what went through the mapping (a loaded state dict, a refreshed master) to the

@@ -170,3 +170,22 @@ def test_state_tensors_held_across_steps_stay_live_and_edits_reach_the_disk(tmp_
     (seen0, params0), (seen1, params1) = runs
     assert all(torch.equal(a, b) for a, b in zip(seen0, seen1))
     assert all(torch.equal(a, b) for a, b in zip(params0, params1))
+
+
+def test_a_long_first_fill_says_how_far_it_got(tmp_path, monkeypatch, capsys):
+    """The first step writes bf16 params' fp32 masters into the file; one that takes longer than
+    PROGRESS_EVERY seconds (here: 0) prints its progress and its end on stderr."""
+    monkeypatch.setattr(swap, "PROGRESS_EVERY", 0.0)
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 64).to(torch.bfloat16)
+    opt = FusedZeroAdam(lin.parameters(), lr=1e-2, offload=OffloadPolicy(device="nvme", path=str(tmp_path),
+                                                                      chunk_mb=4096 / 2**20))
+    assert "writing the first values" not in capsys.readouterr().err  # nothing written yet
+    lin(torch.randn(3, 256, dtype=torch.bfloat16)).float().square().sum().backward()
+    opt.step()
+    err = capsys.readouterr().err
+    assert "zerokern: rank 0: writing the first values of " in err and " GB so far" in err, err
+    assert "zerokern: rank 0: wrote 0.00 GB into " in err, err
+    lin(torch.randn(3, 256, dtype=torch.bfloat16)).float().square().sum().backward()
+    opt.step()
+    assert "writing the first values" not in capsys.readouterr().err  # the second step fills nothing

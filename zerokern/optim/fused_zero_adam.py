@@ -229,8 +229,11 @@ class FusedZeroAdam(EngineOptimizer):
         problem = None
         for store, pieces in zip(self.stores, self._pieces):
             if not store.master_valid:
-                store.refresh_master()
-                store.swap.flush()
+                try:
+                    store.refresh_master()
+                except NvmeOffloadError as e:
+                    problem = f"rank {self.engine.comm.rank}: {e}"
+                    break
 
             def run(lo, hi, master, grad, m, v, model, pieces=pieces):
                 calls = {}
@@ -250,6 +253,7 @@ class FusedZeroAdam(EngineOptimizer):
             problem = store.stream(run)
             if problem is not None:
                 break
+        self.stores[0].swap.progress_done()  # the first step's masters were written
         failed = [p for p in self.engine.comm.gather_objects(problem, name="nvme_step") if p]
         if failed:
             raise NvmeOffloadError("zerokern: the optimizer step could not read or write its state on disk, so it was "

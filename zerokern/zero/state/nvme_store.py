@@ -76,16 +76,16 @@ class NvmeStore(ShardStore):
         self._slot = 0
         self._views = [{k: swap.tensor(self._offset(s, k), n, t) for k, t in self._dtypes.items()} for s in (0, 1)]
         swap.ring(len(self.arrays))  # the stated buffers, made now (memory_report counts them)
-        if params_on_disk:  # [Note: stage-3 params on disk]: the slice moves into the file
-            with torch.no_grad():
-                self._views[0]["param"].copy_(shard)
-            self._repoint_param()
-            self.staging = None
-        else:
-            self.staging = torch.empty(n, dtype=shard.dtype)  # the new params, until commit()
-        self.refresh_master()
+        self.staging = None if params_on_disk else torch.empty(n, dtype=shard.dtype)  # new params until commit()
+        # A separate master is written at the first step (refresh_master), or by a state dict
+        # taken before it (fill_unread_master); the moments start as the file's zeros (fallocate).
         self.master_valid = not self.separate_master
         self._filled_version = None
+
+    def move_params_in(self) -> None:
+        """[Note: stage-3 params on disk]: the slice is written into the file, and the tensor views it."""
+        self._fill("param", self._param_shard)
+        self._repoint_param()
 
     def _offset(self, slot: int, key: str) -> int:
         before = self.arrays[:self.arrays.index(key)]
@@ -104,6 +104,44 @@ class NvmeStore(ShardStore):
     @property
     def master(self):
         return self._views[self._slot]["master"] if self.separate_master else self._param_shard
+
+    def refresh_master(self) -> None:  # noqa: D102 (ShardStore's, written as _fill writes)
+        if self.separate_master:
+            self._fill("master", self._param_shard)
+        self.master_valid = True
+
+    def _io(self, c: int, key: str):
+        """(fp32 units of I/O, byte offset in its array) of chunk c of array `key`: chunk offsets
+        are whole blocks (SwapFile.chunk); a 2-byte array's last length is rounded up to one, inside
+        the array's stride."""
+        size, chunk = self._dtypes[key].itemsize, self.swap.chunk
+        nbytes = -(-min(chunk, padded(self.n) - c * chunk) * size // ALIGN) * ALIGN
+        return nbytes // 4, c * chunk * size
+
+    def _fill(self, key: str, source: torch.Tensor) -> None:
+        """Array `key` of the current slot := source (n values of any dtype), written with O_DIRECT
+        chunk by chunk through the ring: at the disk's speed, and without dirty pages in the page
+        cache, which a memory limit counts (a copy through the mapping made gigabytes of them).
+        Raises NvmeOffloadError; the swap file's progress line counts the bytes."""
+        ring, chunk, dtype = self.swap.ring(len(self.arrays)), self.swap.chunk, self._dtypes[key]
+        pending = [None] * len(ring)
+        try:
+            for c in range(-(-padded(self.n) // chunk)):
+                k = c % len(ring)
+                if pending[k] is not None:
+                    pending[k].result()
+                floats, offset = self._io(c, key)
+                lo, hi = c * chunk, min((c + 1) * chunk, self.n)
+                view = ring[k][0].tensor.view(dtype)
+                view[:hi - lo].copy_(source[lo:hi])
+                view[hi - lo:floats * 4 // dtype.itemsize].zero_()  # the pad past the shard
+                pending[k] = self.swap.write(ring[k][0], floats, self._offset(self._slot, key) + offset)
+                self.swap.progress(floats * 4)
+        finally:
+            concurrent.futures.wait([f for f in pending if f is not None])
+        for f in pending:
+            if f is not None:
+                f.result()
 
     def prefetch_param(self) -> None:
         """Start reading the param shard from disk: its unit is gathered soon."""
@@ -145,13 +183,7 @@ class NvmeStore(ShardStore):
         reads: List[Optional[list]] = [None] * count
         writes: List[Optional[list]] = [None] * len(ring)  # per buffer set: the writes from it in flight
 
-        def io(c, key):
-            """(floats of I/O, byte offset in the slot's array) of chunk c of array `key`: chunk
-            offsets are whole blocks (SwapFile.chunk), a 2-byte array's last length is rounded up
-            to one (inside the array's stride)."""
-            size = self._dtypes[key].itemsize
-            nbytes = -(-min(chunk, total - c * chunk) * size // ALIGN) * ALIGN
-            return nbytes // 4, c * chunk * size
+        io = self._io
 
         def start_read(c):
             k = c % len(ring)
@@ -226,9 +258,20 @@ def create(placed, policy: OffloadPolicy, comm, what: str) -> List[NvmeStore]:
             + f". Each rank needs two slots of its shard's state ({ALIGN}-byte aligned); pass a directory on a "
             "local disk with room, on every rank")
     stores = [NvmeStore(f, b, swap, rank, policy.params) for f, b in placed]
-    if policy.params:
+    if policy.params:  # [Note: stage-3 params on disk]
+        problem = None
+        try:
+            for s in stores:
+                s.move_params_in()
+        except NvmeOffloadError as e:
+            problem = f"rank {rank}: {e}"
+        problems = comm.gather_objects(problem, name="nvme_params")
+        if any(problems):
+            raise NvmeOffloadError(f"zerokern: {what}: could not write the param shards to disk (OffloadPolicy("
+                                   "params=True)): " + "; ".join(p for p in problems if p))
         for s in stores:
             if s.flat.shard_io is None:
                 s.flat.shard_io = {}
             s.flat.shard_io[s.b] = s  # the stage-3 gathers prefetch and release through it
+    swap.progress_done()
     return stores

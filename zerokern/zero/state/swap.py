@@ -29,6 +29,8 @@ import errno
 import mmap
 import os
 import struct
+import sys
+import time
 import uuid
 import weakref
 from typing import Optional
@@ -37,6 +39,7 @@ import torch
 
 ALIGN = 4096  # bytes: the largest logical block size O_DIRECT asks alignment to, and a page
 FLOATS = ALIGN // 4
+PROGRESS_EVERY = 5.0  # seconds: a long first fill of the file says how far it got, this often
 _RAM_FILESYSTEMS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}  # statfs f_type magics
 
 
@@ -119,7 +122,8 @@ class SwapFile:
 
     def __init__(self, directory, nbytes: int, rank: int, policy, largest: int = 1 << 62):
         self.directory = os.fspath(directory)
-        self.nbytes = nbytes
+        self.nbytes, self.rank = nbytes, rank
+        self._fill = None  # (start, last line, bytes) of a first fill in progress (progress())
         name = f"zerokern-swap-rank{rank}-pid{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"
         self.path = os.path.join(self.directory, name)
         fd = dfd = -1
@@ -187,6 +191,27 @@ class SwapFile:
         """Write what went through the mapping (a loaded state dict, a refreshed master) to the
         file, before the O_DIRECT reads."""
         self._mm.flush()
+
+    def progress(self, nbytes: int) -> None:
+        """Count `nbytes` of a first fill of the file (params moved in, masters written): one that
+        takes longer than PROGRESS_EVERY seconds says so on stderr, every PROGRESS_EVERY seconds."""
+        now = time.monotonic()
+        start, last, done = self._fill or (now, now, 0)
+        done += nbytes
+        if now - last >= PROGRESS_EVERY:
+            print(f"zerokern: rank {self.rank}: writing the first values of {self.path}: {done / 1e9:.2f} GB so far, "
+                  f"{done / 1e9 / max(now - start, 1e-6):.2f} GB/s", file=sys.stderr, flush=True)
+            last = now
+        self._fill = (start, last, done)
+
+    def progress_done(self) -> None:
+        """The fill is over: a fill that printed progress says it ended."""
+        if self._fill is not None:
+            start, last, done = self._fill
+            if last > start:
+                print(f"zerokern: rank {self.rank}: wrote {done / 1e9:.2f} GB into {self.path} in "
+                      f"{time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
+        self._fill = None
 
     def ring(self, arrays: int):
         """buffer_count sets of `arrays` aligned chunk buffers (made once, then reused by every store)."""

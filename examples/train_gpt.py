@@ -66,6 +66,14 @@ class GPT(nn.Module):
         return self.ln(x) @ self.tok.weight.t()  # tied output layer
 
 
+def _init_root(model):
+    """--meta-init: the root unit's own params (the blocks are initialised as they are sharded), as
+    GPT.__init__ initialises them."""
+    for emb in (model.tok, model.pos):
+        nn.init.normal_(emb.weight, std=0.02)
+    model.ln.reset_parameters()
+
+
 def markov_batches(vocab, ctx, batch, steps, seed=0):
     """Global batches (inputs, targets) drawn from one fixed random Markov chain."""
     g = torch.Generator().manual_seed(seed)
@@ -82,18 +90,25 @@ def markov_batches(vocab, ctx, batch, steps, seed=0):
 def train(args, rank=0, world=1, device="cpu"):
     torch.manual_seed(args.seed)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    model = GPT(args.vocab, args.d_model, args.heads, args.layers, args.ctx).to(device, dtype)
+    if args.meta_init:  # [Note: meta init]: no rank ever holds the whole model (stage 3 only)
+        if not (args.optimizer == "zerokern" and args.zero_stage == 3):
+            raise SystemExit("--meta-init needs --zero-stage 3 (zerokern): each block is materialised as it is sharded")
+        with torch.device("meta"):
+            model = GPT(args.vocab, args.d_model, args.heads, args.layers, args.ctx).to(dtype)
+    else:
+        model = GPT(args.vocab, args.d_model, args.heads, args.layers, args.ctx).to(device, dtype)
     # --mesh R,S: hybrid sharding, sharded over S ranks (a host) and replicated over R hosts
     mesh = tuple(int(n) for n in args.mesh.split(",")) if args.mesh else None
     # what grads and gathered params travel in ([Note: quantized reductions] in zerokern/zero/comm/wire.py)
     wire = dict(reduce_precision=args.reduce_precision, gather_precision=args.gather_precision)
     if args.offload != "none":  # the optimizer state in CPU memory, or on disk under --offload-path
         wire["offload"] = zerokern.OffloadPolicy(device=args.offload, path=args.offload_path,
-                                                 chunk_mb=args.offload_chunk_mb)
+                                                 chunk_mb=args.offload_chunk_mb, params=args.offload_params)
     if args.optimizer == "zerokern" and args.zero_stage == 3:  # params sharded too: each block a unit
         for blk in model.blocks:
             zerokern.shard(blk, stage=3, bucket_cap_mb=args.bucket_cap_mb, mesh=mesh, **wire)
-        zerokern.shard(model, stage=3, bucket_cap_mb=args.bucket_cap_mb, mesh=mesh, **wire)  # embedding, final norm
+        zerokern.shard(model, stage=3, bucket_cap_mb=args.bucket_cap_mb, mesh=mesh,  # embedding, final norm
+                       init=_init_root if args.meta_init else None, **wire)
         opt = FusedZeroAdam(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
         net = model
     elif args.optimizer == "zerokern":
@@ -238,6 +253,10 @@ def parser():
     ap.add_argument("--offload", choices=["none", "cpu", "nvme"], default="none",
                     help="zerokern: the optimizer state in CPU memory or on disk (--offload-path), streamed")
     ap.add_argument("--offload-path", help="--offload nvme: a directory on a local disk")
+    ap.add_argument("--offload-params", action="store_true",
+                    help="--offload nvme at --zero-stage 3: the param shards on disk too")
+    ap.add_argument("--meta-init", action="store_true",
+                    help="--zero-stage 3: build the model on the meta device, materialise it block by block")
     ap.add_argument("--offload-chunk-mb", type=float, default=16.0, help="--offload nvme: MB per state array streamed")
     ap.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
                     help="3: zerokern.shard(stage=3) on each block and the root")

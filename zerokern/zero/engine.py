@@ -99,6 +99,12 @@ class ZeroEngine:
                 raise ValueError(f"zerokern: OffloadPolicy(params=True) puts stage 3's param shards on disk, but "
                                  f"with {self.comm.world_size} rank(s) every rank holds whole params: it needs stage 3 "
                                  "on 2 or more ranks (or params=False)")
+            on_gpu = [p for p in self.trainable if p.device.type != "cpu"]
+            if config.offload.params and on_gpu:
+                raise ValueError(f"zerokern: OffloadPolicy(params=True) with params on {on_gpu[0].device} "
+                                 f"({names.get(on_gpu[0], 'params')}) is not offered yet: the param shards on disk "
+                                 "are read into CPU memory for the gathers. Keep params=False (the state and masters "
+                                 "still go to disk), or train on the CPU")
             self.stores = nvme_store.create(placed, config.offload, self.comm, what)
         else:
             self.stores = [ShardStore(f, b, config.offload, state_keys, holds_gathered=holds) if state is None

@@ -50,7 +50,7 @@ class GradBucket:
         self.wire = wire  # a GradWire (comm/wire.py) when the grads travel in another precision, else None
         self.full: Optional[torch.Tensor] = None
         self._reduced_view: Optional[torch.Tensor] = None
-        self.shard = torch.zeros(plan.shard_numel, dtype=dtype, device=device) if scatters else None
+        self._shard: Optional[torch.Tensor] = None  # the reduced shard (scatters only): see shard
         self.state = BucketState.IDLE
         self.work = None
         self.rewritten = False  # a hook fired after the launch (reentrant checkpointing, shared weights)
@@ -70,11 +70,22 @@ class GradBucket:
 
     # --- buffers -------------------------------------------------------------
 
+    @property
+    def shard(self) -> Optional[torch.Tensor]:
+        """This rank's reduced grad shard (None where the bucket does not scatter), zeros until a
+        reduction writes it. Made at its first use, not with the bucket: at stage 3 the units are
+        built (and with OffloadPolicy(params=True) their param slices held) before the optimizer
+        moves the slices to disk, and a model's slices and grad shards together at construction
+        were twice the memory of either."""
+        if self._shard is None and self.scatters:
+            self._shard = torch.zeros(self.plan.shard_numel, dtype=self.dtype, device=self.device)
+        return self._shard
+
     def full_buffer(self) -> torch.Tensor:
         if self.full is None:
             self.full = torch.zeros(self.plan.padded_numel, dtype=self.dtype, device=self.device)
             start, end = self._range
-            self._reduced_view = None if self.shard is not None else self.full[start:end]
+            self._reduced_view = None if self.scatters else self.full[start:end]
         return self.full
 
     def view(self, index: int, shape) -> torch.Tensor:
@@ -106,7 +117,7 @@ class GradBucket:
 
     def reduced_grad(self) -> torch.Tensor:
         """This rank's reduced (averaged) grad shard; valid in state REDUCED."""
-        if self.shard is not None:
+        if self.scatters:
             return self.shard
         self.full_buffer()
         return self._reduced_view  # this rank's range of the full buffer; goes with it in release()
@@ -250,7 +261,7 @@ class GradBucket:
 
     def nbytes(self) -> dict:
         full = 0 if self.full is None else self.full.numel() * self.full.element_size()
-        shard = 0 if self.shard is None else self.shard.numel() * self.shard.element_size()
+        shard = 0 if self._shard is None else self._shard.numel() * self._shard.element_size()
         # the reduced shard is a gradient too
         return {"grads": full + shard, "comm_buffers": 0, "error_feedback": self._wire_nbytes()}
 

@@ -203,5 +203,6 @@ class ReleasingGradBucket(GradBucket):
 
     def nbytes(self) -> dict:
         full = 0 if self.full is None else self.full.numel() * self.full.element_size()
-        return {"grads": full + self.shard.numel() * self.shard.element_size(), "comm_buffers": 0,
+        shard = 0 if self._shard is None else self._shard.numel() * self._shard.element_size()
+        return {"grads": full + shard, "comm_buffers": 0,
                 "error_feedback": self._wire_nbytes()}

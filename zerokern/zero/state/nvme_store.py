@@ -122,8 +122,11 @@ class NvmeStore(ShardStore):
         """Array `key` of the current slot := source (n values of any dtype), written with O_DIRECT
         chunk by chunk through the ring: at the disk's speed, and without dirty pages in the page
         cache, which a memory limit counts (a copy through the mapping made gigabytes of them).
-        Raises NvmeOffloadError; the swap file's progress line counts the bytes."""
+        A source that is the param shard on disk is read with O_DIRECT too (through the mapping,
+        page fault by page fault, a fill ran at 0.12 GB/s). Raises NvmeOffloadError; the swap
+        file's progress line counts the bytes."""
         ring, chunk, dtype = self.swap.ring(len(self.arrays)), self.swap.chunk, self._dtypes[key]
+        on_disk = self.params_on_disk and source is self._param_shard and key != "param"
         pending = [None] * len(ring)
         try:
             for c in range(-(-padded(self.n) // chunk)):
@@ -133,7 +136,13 @@ class NvmeStore(ShardStore):
                 floats, offset = self._io(c, key)
                 lo, hi = c * chunk, min((c + 1) * chunk, self.n)
                 view = ring[k][0].tensor.view(dtype)
-                view[:hi - lo].copy_(source[lo:hi])
+                if on_disk:  # into the set's second buffer, the param array's chunk c of this slot
+                    got, at = self._io(c, "param")
+                    self.swap.read(ring[k][1], got, self._offset(self._slot, "param") + at).result()
+                    source_chunk = ring[k][1].tensor.view(self._dtypes["param"])[:hi - lo]
+                else:
+                    source_chunk = source[lo:hi]
+                view[:hi - lo].copy_(source_chunk)
                 view[hi - lo:floats * 4 // dtype.itemsize].zero_()  # the pad past the shard
                 pending[k] = self.swap.write(ring[k][0], floats, self._offset(self._slot, key) + offset)
                 self.swap.progress(floats * 4)

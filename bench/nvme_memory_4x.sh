@@ -17,7 +17,7 @@ disk=${3:-/var/tmp/zerokern-nvme}
 mkdir -p "$out" "$disk"
 cg=/sys/fs/cgroup/memory
 [ -d $cg ] || { echo "no cgroup v1 memory controller at $cg" >&2; exit 2; }
-model=(--d-model ${D_MODEL:-2048} --layers ${LAYERS:-30} --heads 16 --vocab 96 --ctx 16 --batch 2
+model=(--d-model ${D_MODEL:-2048} --layers ${LAYERS:-30} --heads ${HEADS:-16} --vocab 96 --ctx 16 --batch 2
        --steps ${STEPS:-3} --log-every 1 --dtype bf16 --zero-stage 3 --meta-init --lr 1e-3 --weight-decay 0.01
        --bucket-cap-mb 64)
 # glibc raises its mmap threshold (to 32 MB) after the first large free, and then keeps freed buffers

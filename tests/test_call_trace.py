@@ -1,0 +1,29 @@
+"""How far a value travels: the zerokern functions one bucket's gradient enters from backward to
+the update at stage 2, and one unit's gather at stage 3 (issue 48's walk, counted by
+sys.setprofile on the caller's thread; call_trace_workers.py). The limits are today's counts (the
+first measurement, 2026-12-05) with a little room: a change that makes the walk longer fails here
+and must say why, or make it shorter and lower the limit."""
+
+import pytest
+
+import call_trace_workers as W
+import dist_harness
+
+# (calls, files): measured 2026-12-05 on main, grad 271 calls in 27 files (int8: 292 in 31), gather
+# 86 in 15 (int8: 134 in 20), the same in every run; the limits leave about 5%
+GRAD_LIMITS = {None: (285, 28), "int8": (307, 32)}
+GATHER_LIMITS = {None: (90, 16), "int8": (141, 21)}
+
+
+@pytest.mark.parametrize("precision", [None, "int8"], ids=["full", "int8"])
+def test_one_buckets_grad_walks_a_bounded_way(precision):
+    r = dist_harness.values(dist_harness.run(W.grad_walk, 2, precision))[0]
+    calls, files = GRAD_LIMITS[precision]
+    assert r["calls"] <= calls and r["files"] <= files, r
+
+
+@pytest.mark.parametrize("precision", [None, "int8"], ids=["full", "int8"])
+def test_one_units_gather_walks_a_bounded_way(precision):
+    r = dist_harness.values(dist_harness.run(W.gather_walk, 2, precision))[0]
+    calls, files = GATHER_LIMITS[precision]
+    assert r["calls"] <= calls and r["files"] <= files, r

@@ -24,7 +24,7 @@ from .grads.path import grad_path
 from .grads.schedule import ReduceSchedule
 from .options import sharding
 from .params.policy import param_policy
-from .state import nvme_store
+from .state import lowbit_nvme_store, nvme_store
 from .state.lowbit_store import LowBitStore
 from .state.store import ShardStore
 from .step import Piece, RoundFlags, Step
@@ -87,14 +87,14 @@ class ZeroEngine:
                              "within one int8 step of the masters, and the masters what was trained exactly. Pass "
                              "master_weights=True, or gather_precision=None")
         if config.offload is not None and config.offload.on_disk:
-            why = ("low-bit state or master_weights=False" if state is not None else
-                   f"gather_precision={config.gather_precision!r}" if holds else
+            why = (f"gather_precision={config.gather_precision!r}" if holds else
                    f"{what} (it keeps its inner optimizer's own state)" if tuple(state_keys) != nvme_store.STATE_KEYS
                    else None)
             if why:
                 raise ValueError(f"zerokern: OffloadPolicy(device='nvme') with {why} is not offered yet; use "
                                  "FusedZeroAdam with fp32 state, or OffloadPolicy(device='cpu')")
-            self.stores = nvme_store.create(placed, config.offload, self.comm, what)
+            self.stores = (nvme_store.create(placed, config.offload, self.comm, what) if state is None
+                           else lowbit_nvme_store.create(placed, config.offload, state, self.comm, what))
         else:
             self.stores = [ShardStore(f, b, config.offload, state_keys, holds_gathered=holds) if state is None
                            else LowBitStore(f, b, state, holds_gathered=holds) for f, b in placed]

@@ -137,6 +137,12 @@ class LowBitNvmeStore(ShardStore):
     def master(self):
         return self._views[self._slot]["master"] if self.separate_master else self._param_shard
 
+    def refresh_master(self) -> None:
+        """ShardStore's, through the mapping, then flushed: the step's O_DIRECT reads see it."""
+        super().refresh_master()
+        if self.separate_master:
+            self.swap.flush()
+
     def operands(self):
         raise NotImplementedError("a LowBitNvmeStore streams: call stream() and commit()")
 

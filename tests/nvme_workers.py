@@ -21,20 +21,27 @@ def nvme(path, **kw):
     return OffloadPolicy(device="nvme", path=path, **{**SMALL, **kw})
 
 
-def model_of(dtype, seed=0):
+def model_of(dtype, seed=0, width=96):
     """zero_workers' shapes, wider: shards of a few thousand elements, several chunks each."""
     torch.manual_seed(seed)
-    m = torch.nn.Sequential(torch.nn.Linear(DIN, 96), torch.nn.Tanh(), torch.nn.Linear(96, 96), torch.nn.Tanh(),
-                            torch.nn.Linear(96, DOUT))
+    m = torch.nn.Sequential(torch.nn.Linear(DIN, width), torch.nn.Tanh(), torch.nn.Linear(width, width),
+                            torch.nn.Tanh(), torch.nn.Linear(width, DOUT))
     return m.to(dtype)
 
 
-def build(dtype, stage, offload, seed=0):
-    model = model_of(dtype, seed=seed)
+# Low-bit state streams in chunks of 262,144 elements at the least ([Note: low-bit chunks on disk]): a
+# width of 800 and one bucket make each rank's shard about 350,000 elements at 2 ranks, 2 chunks.
+LOWBIT = dict(width=800, bucket_cap_mb=4)
+
+
+def build(dtype, stage, offload, seed=0, width=96, bucket_cap_mb=0.02, **state):
+    """state: FusedZeroAdam's state_precision / master_weights."""
+    model = model_of(dtype, seed=seed, width=width)
     groups = [{"params": [p for n, p in model.named_parameters() if n.endswith("weight")]},
               {"params": [p for n, p in model.named_parameters() if n.endswith("bias")], "lr": 3e-3,
                "weight_decay": 0.0}]
-    opt = FusedZeroAdam(groups, lr=1e-2, weight_decay=0.05, bucket_cap_mb=0.02, zero_stage=stage, offload=offload)
+    opt = FusedZeroAdam(groups, lr=1e-2, weight_decay=0.05, bucket_cap_mb=bucket_cap_mb, zero_stage=stage,
+                        offload=offload, **state)
     return model, opt
 
 
@@ -52,10 +59,12 @@ def state_of(opt):
     return [t.detach().clone() for st in opt.state.values() for k, t in sorted(st.items()) if k != "step"]
 
 
-def matches_in_memory(rank, world, stage, dtype, path, steps=4):
-    """The same training in memory and on disk: params and every state tensor bit for bit."""
-    ref_model, ref_opt = build(dtype, stage, None)
-    model, opt = build(dtype, stage, nvme(path))
+def matches_in_memory(rank, world, stage, dtype, path, kw=None, steps=4):
+    """The same training in memory and on disk: params and every state tensor bit for bit. kw:
+    build()'s (LOWBIT and a state_precision / master_weights)."""
+    kw = kw or {}
+    ref_model, ref_opt = build(dtype, stage, None, **kw)
+    model, opt = build(dtype, stage, nvme(path), **kw)
     train(ref_model, ref_opt, rank, world, 0, steps, skip_grad=True)
     train(model, opt, rank, world, 0, steps, skip_grad=True)
     same_params = all(torch.equal(a, b) for a, b in zip(ref_model.parameters(), model.parameters()))
@@ -67,17 +76,19 @@ def matches_in_memory(rank, world, stage, dtype, path, steps=4):
             "files_left": os.listdir(path)}
 
 
-def dcp_save(rank, world, path, ckpt):
-    model, opt = build(torch.bfloat16, 2, nvme(path))
+def dcp_save(rank, world, path, ckpt, kw=None):
+    kw = kw or {}
+    model, opt = build(torch.bfloat16, 2, nvme(path), **kw)
     train(model, opt, rank, world, 0, 3)
     dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=ckpt)
     train(model, opt, rank, world, 3, 5)
     return [p.detach().float() for p in model.parameters()]
 
 
-def dcp_resume(rank, world, path, ckpt, offload):
+def dcp_resume(rank, world, path, ckpt, offload, kw=None):
     """A fresh model and optimizer (state on disk, or in memory) load the checkpoint and go on."""
-    model, opt = build(torch.bfloat16, 2, nvme(path) if offload else None, seed=7)
+    kw = kw or {}
+    model, opt = build(torch.bfloat16, 2, nvme(path) if offload else None, seed=7, **kw)
     sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
     dcp.load(sd, checkpoint_id=ckpt)
     set_model_state_dict(model, sd["model"])
@@ -86,11 +97,14 @@ def dcp_resume(rank, world, path, ckpt, offload):
     return [p.detach().float() for p in model.parameters()]
 
 
-def io_error(rank, world, path, fail_rank, op):
+def io_error(rank, world, path, fail_rank, op, kw=None):
     """An I/O error on one rank mid-step: every rank raises, and the params and state are unchanged;
-    once the disk works again training goes on as if that step had been skipped."""
-    ref_model, ref_opt = build(torch.float32, 2, None)
-    model, opt = build(torch.float32, 2, nvme(path))
+    once the disk works again training goes on as if that step had been skipped. kw: build()'s, the
+    params' dtype (fp32 if not given) and fail_at, the I/O call that fails (3 if not given)."""
+    kw = dict(kw or {})
+    dtype, fail_at = kw.pop("dtype", torch.float32), kw.pop("fail_at", 3)
+    ref_model, ref_opt = build(dtype, 2, None, **kw)
+    model, opt = build(dtype, 2, nvme(path), **kw)
     train(ref_model, ref_opt, rank, world, 0, 2)
     train(model, opt, rank, world, 0, 2)
     before = [p.detach().clone() for p in model.parameters()], state_of(opt)
@@ -99,7 +113,7 @@ def io_error(rank, world, path, fail_rank, op):
 
     def failing(fd, view, offset):
         calls.append(offset)
-        if len(calls) == 3:  # a few chunks in: some were read, updated and written already
+        if len(calls) == fail_at:  # a few chunks in: some were read, updated and written already
             raise OSError(5, "Input/output error")
         return real(fd, view, offset)
     if rank == fail_rank:
@@ -139,17 +153,21 @@ def in_mapping(t, swapfile):
     return base <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= base + swapfile.nbytes
 
 
-def stage3_model(dtype, offload, seed=0):
+def stage3_model(dtype, offload, seed=0, width=96, bucket_cap_mb=0.02, shard_kw=None):
     """Stage 3: each Linear a unit, then the root."""
-    model = model_of(dtype, seed=seed)
+    model = model_of(dtype, seed=seed, width=width)
     for layer in (model[0], model[2], model[4]):
-        zerokern.shard(layer, stage=3, bucket_cap_mb=0.02, offload=offload)
-    zerokern.shard(model, stage=3, bucket_cap_mb=0.02, offload=offload)
+        zerokern.shard(layer, stage=3, bucket_cap_mb=bucket_cap_mb, offload=offload, **(shard_kw or {}))
+    zerokern.shard(model, stage=3, bucket_cap_mb=bucket_cap_mb, offload=offload, **(shard_kw or {}))
     return model
 
 
-def stage3_matches_in_memory(rank, world, dtype, path, steps=4, params=False):
-    """Stage 3: the state of this rank's param shards on disk (params=True: the shards too)."""
+def stage3_matches_in_memory(rank, world, dtype, path, kw=None, steps=4, params=False):
+    """Stage 3: the state of this rank's param shards on disk (params=True: the shards too).
+    kw: a width, bucket_cap_mb, state_precision (shard()'s and FusedZeroAdam's) and master_weights."""
+    state = dict(kw or {})
+    width, bucket_cap_mb = state.pop("width", 96), state.pop("bucket_cap_mb", 0.02)
+    shard_kw = {"state_precision": state["state_precision"]} if "state_precision" in state else {}
     runs, advised = [], []
     real = swap.SwapFile.advise
 
@@ -158,8 +176,8 @@ def stage3_matches_in_memory(rank, world, dtype, path, steps=4, params=False):
         return real(self, offset, nbytes, need)
     swap.SwapFile.advise = advise
     for offload in (None, nvme(path, params=params)):
-        model = stage3_model(dtype, offload)
-        opt = FusedZeroAdam(model.parameters(), lr=1e-2, weight_decay=0.05)
+        model = stage3_model(dtype, offload, width=width, bucket_cap_mb=bucket_cap_mb, shard_kw=shard_kw)
+        opt = FusedZeroAdam(model.parameters(), lr=1e-2, weight_decay=0.05, **state)
         train(model, opt, rank, world, 0, steps)
         x, _ = batches(steps + 1)[steps]
         with torch.no_grad():
@@ -169,6 +187,7 @@ def stage3_matches_in_memory(rank, world, dtype, path, steps=4, params=False):
     sa, sb = state_of(oa), state_of(ob)
     shards = [s.param_shard() for s in ob.stores]
     return {"streams": all(getattr(s, "streams", False) for s in ob.stores),
+            "chunks": max(-(-s.n // s.swap.chunk) for s in ob.stores),
             "params": all(torch.equal(x.param_shard(), y.param_shard()) for x, y in zip(oa.stores, ob.stores)),
             "outputs": torch.equal(outa, outb),
             "state": len(sa) == len(sb) and all(torch.equal(x, y) for x, y in zip(sa, sb)), "n_state": len(sa),

@@ -25,20 +25,50 @@ def test_state_on_disk_trains_bit_for_bit_as_in_memory(tmp_path, world, stage, d
         assert r["files_left"] == [], r  # the scratch file is unlinked at creation
 
 
-def test_a_dcp_checkpoint_resumes_on_disk_and_in_memory(tmp_path):
+# int8 state without fp32 masters (bf16 params), the one that saves the most ([Note: low-bit chunks on disk])
+INT8 = dict(W.LOWBIT, state_precision="int8", master_weights=False)
+
+
+@pytest.mark.parametrize("stage,state", [(1, INT8), (2, INT8), (2, dict(INT8, master_weights=True)),
+                                         (2, dict(INT8, state_precision="bf16"))],
+                         ids=["int8-stage1", "int8-stage2", "int8-masters-stage2", "bf16-stage2"])
+def test_lowbit_state_on_disk_trains_bit_for_bit_as_in_memory(tmp_path, stage, state):
+    """int8 codes, their block scales (and the fp32 masters where asked) on disk, or bf16 moments: the
+    in-memory run's params and state (codes and scales) bit for bit, each shard in 2 chunks. The other
+    low-bit states are run at stage 2 only: the store does not know the stage."""
+    for r in dist_harness.values(dist_harness.run(W.matches_in_memory, 2, stage, torch.bfloat16, str(tmp_path),
+                                                  state)):
+        assert r["streams"] and r["chunks"] >= 2, r
+        assert r["params"] and r["state"] and r["n_state"] >= 10, r
+        assert r["report"]["adam_state"] == 0 and r["report"]["master_params"] == 0, r["report"]
+        assert r["report"]["on_disk"] > 0 and r["report"]["nvme_buffers"] > 0, r["report"]
+        assert r["files_left"] == [], r
+
+
+def test_lowbit_stage3_state_on_disk_trains_bit_for_bit_as_in_memory(tmp_path):
+    for r in dist_harness.values(dist_harness.run(W.stage3_matches_in_memory, 2, torch.bfloat16, str(tmp_path),
+                                                  INT8)):
+        assert r["streams"] and r["chunks"] >= 2 and r["params"] and r["state"] and r["n_state"] >= 6, r
+
+
+@pytest.mark.parametrize("state", [{}, INT8], ids=["fp32", "int8"])
+def test_a_dcp_checkpoint_resumes_on_disk_and_in_memory(tmp_path, state):
     ckpt = str(tmp_path / "ckpt")
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    want = dist_harness.values(dist_harness.run(W.dcp_save, 2, str(tmp_path / "a"), ckpt))
+    want = dist_harness.values(dist_harness.run(W.dcp_save, 2, str(tmp_path / "a"), ckpt, state))
     for offload in (True, False):
-        got = dist_harness.values(dist_harness.run(W.dcp_resume, 2, str(tmp_path / "b"), ckpt, offload))
+        got = dist_harness.values(dist_harness.run(W.dcp_resume, 2, str(tmp_path / "b"), ckpt, offload, state))
         for w, g in zip(want, got):
             assert all(torch.equal(a, b) for a, b in zip(w, g)), offload
 
 
+# int8: 4 arrays a chunk (codes and scales of 2 moments), 2 chunks; the 6th call is in chunk 1, after
+# chunk 0 was read, updated and (for writes) written to the other slot
+@pytest.mark.parametrize("state", [{}, dict(INT8, dtype=torch.bfloat16, fail_at=6)], ids=["fp32", "int8"])
 @pytest.mark.parametrize("op", ["_pread", "_pwrite"])
-def test_an_io_error_on_one_rank_raises_on_every_rank_and_changes_nothing(tmp_path, op):
-    for rank, r in enumerate(dist_harness.values(dist_harness.run(W.io_error, 2, str(tmp_path), 1, op))):
+def test_an_io_error_on_one_rank_raises_on_every_rank_and_changes_nothing(tmp_path, op, state):
+    for rank, r in enumerate(dist_harness.values(dist_harness.run(W.io_error, 2, str(tmp_path), 1, op, state))):
         assert r["error"] and "rank 1:" in r["error"] and "Input/output error" in r["error"], (rank, r)
         assert "not applied on any rank" in r["error"], r
         assert r["unchanged"] and r["then_same"], (rank, r)
@@ -65,8 +95,8 @@ def test_paths_that_cannot_hold_the_state_are_named_with_the_bytes(tmp_path):
 def test_what_nvme_offload_does_not_offer_is_refused(tmp_path):
     model = make_model(torch.bfloat16)
     nv = OffloadPolicy(device="nvme", path=str(tmp_path))
-    with pytest.raises(ValueError, match="device='nvme'.*low-bit state"):
-        FusedZeroAdam(model.parameters(), offload=nv, state_precision="int8")
+    with pytest.raises(ValueError, match=r"OffloadPolicy\(device='cpu'\) with state_precision='bf16'/'int8'"):
+        FusedZeroAdam(model.parameters(), offload=OffloadPolicy(), state_precision="int8")
     import zerokern
     with pytest.raises(ValueError, match="device='nvme'.*ZeroOptimizer"):
         zerokern.ZeroOptimizer(model.parameters(), torch.optim.AdamW, offload=nv)
@@ -86,7 +116,7 @@ def test_stage3_params_on_disk_train_bit_for_bit_as_in_memory(tmp_path, dtype):
     """OffloadPolicy(params=True): the param slices live in the swap file, read for each gather and
     written by the update; the same params, outputs and state as in memory, and memory_report no
     longer counts the slices (on_disk does)."""
-    for r in dist_harness.values(dist_harness.run(W.stage3_matches_in_memory, 2, dtype, str(tmp_path), 4, True)):
+    for r in dist_harness.values(dist_harness.run(W.stage3_matches_in_memory, 2, dtype, str(tmp_path), None, 4, True)):
         assert r["streams"] and r["params"] and r["outputs"] and r["state"] and r["n_state"] >= 6, r
         assert r["shards_in_file"], r
         # each step: 3 units gathered for forward and again for backward, each slice dropped after its

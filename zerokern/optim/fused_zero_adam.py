@@ -58,6 +58,8 @@ class FusedZeroAdam(EngineOptimizer):
     state_precision ("fp32", "bf16", "int8") and master_weights (False: bf16 params without fp32
     masters, stochastically rounded) cut the optimizer state to 2.03 bytes per param at the least
     (docs/usage.md, "Fewer bytes"); with zerokern.shard, int8 needs shard(..., state_precision="int8").
+    With offload=OffloadPolicy(device="nvme", ...) that state is kept on disk as it is in memory
+    ([Note: low-bit chunks on disk]).
 
     Semantics are torch.optim.AdamW's (adam_w_mode=True) or Adam's on the
     gradient averaged over the data-parallel group, as under DDP: per-parameter
@@ -182,15 +184,15 @@ class FusedZeroAdam(EngineOptimizer):
 
     def _update(self, had, scale):  # noqa: D102 (EngineOptimizer's)
         """The fused update of every shard (one kernel call per param group and step count)."""
-        if not self.state_policy.plain:
-            self._update_lowbit(had, scale)
-            self._step_buffer += torch.tensor(had, dtype=torch.float32)
-            return
         stores = self.stores
         if isinstance(scale, torch.Tensor) and stores and scale.device != stores[0].device:
             scale = scale.to(stores[0].device)  # offloaded stores update on the CPU
         if stores and getattr(stores[0], "streams", False):
             self._update_streamed(had, scale)
+            return
+        if not self.state_policy.plain:
+            self._update_lowbit(had, scale)
+            self._step_buffer += torch.tensor(had, dtype=torch.float32)
             return
         steps = self._steps
         uniform = len(set(steps)) <= 1 and all(had)
@@ -220,10 +222,11 @@ class FusedZeroAdam(EngineOptimizer):
             self._step_buffer += torch.tensor(had, dtype=torch.float32)
 
     def _update_streamed(self, had, scale):
-        """The update over NvmeStores ([Note: NVMe swap]): each shard streamed from disk chunk by chunk,
-        one fused_adam_ call per (param group, step count) and chunk, over the pieces in it. Every rank
-        then says whether its reads and writes all succeeded: only if all did are the new params and
-        state committed; else every rank raises, with nothing changed."""
+        """The update over NvmeStores or LowBitNvmeStores ([Note: NVMe swap]): each shard streamed from
+        disk chunk by chunk, one fused_adam_ (or fused_adam_lowbit_) call per (param group, step count)
+        and chunk, over the pieces in it. Every rank then says whether its reads and writes all
+        succeeded: only if all did are the new params and state committed; else every rank raises,
+        with nothing changed."""
         steps = self._steps
         self.stores[0].swap.flush()  # what went through the mapping (a loaded state dict) reaches the file
         problem = None
@@ -234,6 +237,11 @@ class FusedZeroAdam(EngineOptimizer):
                 except NvmeOffloadError as e:
                     problem = f"rank {self.engine.comm.rank}: {e}"
                     break
+            if not self.state_policy.plain:
+                problem = store.stream(self._lowbit_chunk_run(pieces, had, steps, scale))
+                if problem is not None:
+                    break
+                continue
 
             def run(lo, hi, master, grad, m, v, model, pieces=pieces):
                 calls = {}
@@ -270,10 +278,14 @@ class FusedZeroAdam(EngineOptimizer):
         bases = {"exp_avg": store.exp_avg, "exp_avg_sq": store.exp_avg_sq}
         if store.separate_master:
             bases["master_param"] = store.master
+        scales = {k + checkpoint.SCALE: sc for k, sc in (getattr(store, "scales", lambda: None)() or {}).items()}
         for k, (t, off, n, _) in enumerate(pieces):
             st = self.state[self.engine.param_of(store, k)[0]]
             for key, base in bases.items():
                 st[key].set_(base.untyped_storage(), base.storage_offset() + off, (n,), (1,))
+            for key, base in scales.items():  # int8: the piece's blocks ([Note: int8 shards in blocks])
+                st[key].set_(base.untyped_storage(), base.storage_offset() + off // lowbit.BLOCK,
+                             (lowbit.num_blocks(n),), (1,))
 
     def _update_lowbit(self, had, scale):
         """The update over LowBitStores: one fused_adam_lowbit_ call per (param group, step count),
@@ -281,29 +293,55 @@ class FusedZeroAdam(EngineOptimizer):
         of its first element ([Note: reproducible rounding])."""
         steps = self._steps
         calls = {}  # (param group, step) -> the call's lists
-        int8 = self.state_policy.precision == "int8"
         starts = self.engine.global_starts
         for store, pieces in zip(self.stores, self._pieces):
             if not store.master_valid:
                 store.refresh_master()
             master, grad, m, v, model = store.operands()
-            scales = store.scales()
+            scales = store.scales() or {}
+            operands = (master, grad, m, v, scales.get("exp_avg"), scales.get("exp_avg_sq"), model)
             for t, off, n, start in pieces:
-                if not (had[t] and n):
-                    continue
-                sl = slice(off, off + n)
-                c = calls.setdefault((self._group_of[t], steps[t] + 1), {k: [] for k in (
-                    "params", "grads", "m", "v", "model", "ms", "vs", "bases")})
-                c["params"].append(master[sl])
-                c["grads"].append(grad[sl])
-                c["m"].append(m[sl])
-                c["v"].append(v[sl])
-                if model is not None:
-                    c["model"].append(model[sl])
-                if scales is not None:
-                    c["ms"].append(scales["exp_avg"][block_slice(off, n)])
-                    c["vs"].append(scales["exp_avg_sq"][block_slice(off, n)])
-                c["bases"].append(starts[t] + start)
+                if had[t] and n:
+                    self._add_lowbit_piece(calls, steps, t, off, n, starts[t] + start, operands)
+        self._run_lowbit(calls, scale)
+
+    def _lowbit_chunk_run(self, pieces, had, steps, scale):
+        """The run(lo, hi, ...) a LowBitNvmeStore's stream() calls per chunk: the pieces' parts in
+        elements [lo, hi) of the shard, each with the global index of its first element (a piece cut
+        at a chunk's edge starts on a block there: [Note: low-bit chunks on disk])."""
+        starts = self.engine.global_starts
+
+        def run(lo, hi, params, grad, m, v, ms, vs, model):
+            calls = {}
+            for t, off, n, start in pieces:
+                a, z = max(off, lo), min(off + n, hi)
+                if had[t] and a < z:
+                    self._add_lowbit_piece(calls, steps, t, a - lo, z - a, starts[t] + start + a - off,
+                                           (params, grad, m, v, ms, vs, model))
+            self._run_lowbit(calls, scale)
+        return run
+
+    def _add_lowbit_piece(self, calls, steps, t, off, n, base, operands):
+        """Elements [off, off + n) of the operands (params, grad, m, v, m's and v's block scales or None,
+        model or None), param t's, into the call of its (param group, step count)."""
+        params, grad, m, v, ms, vs, model = operands
+        sl = slice(off, off + n)
+        c = calls.setdefault((self._group_of[t], steps[t] + 1), {k: [] for k in (
+            "params", "grads", "m", "v", "model", "ms", "vs", "bases")})
+        c["params"].append(params[sl])
+        c["grads"].append(grad[sl])
+        c["m"].append(m[sl])
+        c["v"].append(v[sl])
+        if model is not None:
+            c["model"].append(model[sl])
+        if ms is not None:
+            c["ms"].append(ms[block_slice(off, n)])
+            c["vs"].append(vs[block_slice(off, n)])
+        c["bases"].append(base)
+
+    def _run_lowbit(self, calls, scale):
+        """One fused_adam_lowbit_ call per (param group, step count) of `calls`."""
+        int8 = self.state_policy.precision == "int8"
         for (pg, step), c in calls.items():
             group = self.param_groups[pg]
             fused_adam_lowbit_(c["params"], c["grads"], c["m"], c["v"], lr=group["lr"], beta1=group["betas"][0],

@@ -10,9 +10,10 @@ from ..kernels.lowbit_ops import lowbit_backend
 
 def check_lowbit_options(policy, engine, names, backend):
     """What state_precision / master_weights cannot do, refused at construction, naming the param."""
-    if any(u.config.offload is not None for u in engine.units):
-        raise ValueError("zerokern: offload with state_precision='bf16'/'int8' or master_weights=False is not "
-                         "offered yet; use offload=None (the low-bit state is the smaller saving on the device)")
+    if any(u.config.offload is not None and not u.config.offload.on_disk for u in engine.units):
+        raise ValueError("zerokern: OffloadPolicy(device='cpu') with state_precision='bf16'/'int8' or "
+                         "master_weights=False is not offered yet; use OffloadPolicy(device='nvme', path=...) or "
+                         "offload=None (the low-bit state is the smaller saving on the device)")
     if engine.trainable:
         lowbit_backend(backend, engine.trainable[0].device)  # one without a low-bit kernel says so here
     if policy.master_weights:

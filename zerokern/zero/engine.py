@@ -25,7 +25,7 @@ from .grads.schedule import ReduceSchedule
 from .core.stage import ParamMode
 from .options import sharding
 from .params.policy import param_policy
-from .state import nvme_store
+from .state import lowbit_nvme_store, nvme_store
 from .state.lowbit_store import LowBitStore
 from .state.store import ShardStore
 from .step import Piece, RoundFlags, Step
@@ -88,8 +88,7 @@ class ZeroEngine:
                              "within one int8 step of the masters, and the masters what was trained exactly. Pass "
                              "master_weights=True, or gather_precision=None")
         if config.offload is not None and config.offload.on_disk:
-            why = ("low-bit state or master_weights=False" if state is not None else
-                   f"gather_precision={config.gather_precision!r}" if holds else
+            why = (f"gather_precision={config.gather_precision!r}" if holds else
                    f"{what} (it keeps its inner optimizer's own state)" if tuple(state_keys) != nvme_store.STATE_KEYS
                    else None)
             if why:
@@ -105,7 +104,12 @@ class ZeroEngine:
                                  f"({names.get(on_gpu[0], 'params')}) is not offered yet: the param shards on disk "
                                  "are read into CPU memory for the gathers. Keep params=False (the state and masters "
                                  "still go to disk), or train on the CPU")
-            self.stores = nvme_store.create(placed, config.offload, self.comm, what)
+            if config.offload.params and state is not None:
+                raise ValueError(f"zerokern: OffloadPolicy(params=True) with state_precision="
+                                 f"{state.precision!r} is not offered yet: the low-bit stores keep the param shards "
+                                 "in memory. Use params=False (the low-bit state still goes to disk), or fp32 state")
+            self.stores = (nvme_store.create(placed, config.offload, self.comm, what) if state is None
+                           else lowbit_nvme_store.create(placed, config.offload, state, self.comm, what))
         else:
             self.stores = [ShardStore(f, b, config.offload, state_keys, holds_gathered=holds) if state is None
                            else LowBitStore(f, b, state, holds_gathered=holds) for f, b in placed]

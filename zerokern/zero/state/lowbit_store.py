@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # annotations only
 
 class LowBitStore(ShardStore):
     """ShardStore's protocol and master bookkeeping (refresh_master, refresh_params, the round-trip
-    check), over state of another precision; no offload."""
+    check), over state of another precision; in memory (on disk: LowBitNvmeStore, lowbit_nvme_store.py)."""
 
     def __init__(self, flat: "FlatParams", b: int, policy: StatePolicy,  # noqa: D107 (ShardStore's allocation differs)
                  holds_gathered: bool = False):

@@ -5,7 +5,7 @@ its checks, and the aligned buffers and threads that stream it.
 - One file per rank, holding that rank's shard only, so the ranks' disks add up (ZeRO-Infinity's
   bandwidth-centric partitioning). Each store (a bucket's shard) has a region of two slots; a slot
   holds its state arrays (exp_avg, exp_avg_sq, and the fp32 master of fp16/bf16 params), each
-  padded to ALIGN bytes. A step reads slot s and writes slot 1 - s, so a step that fails part way
+  padded to ALIGN bytes (low-bit state: [Note: low-bit chunks on disk] in lowbit_nvme_store.py). A step reads slot s and writes slot 1 - s, so a step that fails part way
   (an I/O error on any rank) leaves slot s, and the params, as they were: nothing half-updated.
   Only when every rank's writes are done does each store flip to the new slot
   (NvmeStore.commit; FusedZeroAdam._update_streamed).
@@ -170,7 +170,9 @@ class SwapFile:
         return offset
 
     def tensor(self, offset: int, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """n elements of the file at byte `offset`, through the shared mapping."""
+        """n elements of the file at byte `offset`, through the shared mapping (frombuffer refuses 0)."""
+        if n == 0:
+            return torch.empty(0, dtype=dtype)
         return torch.frombuffer(self._mm, dtype=dtype, count=n, offset=offset)
 
     def advise(self, offset: int, nbytes: int, need: bool) -> None:

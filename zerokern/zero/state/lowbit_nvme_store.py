@@ -59,18 +59,12 @@ def _slot_bytes(arrays) -> int:
 
 class LowBitSwapFile(SwapFile):
     """A SwapFile whose chunk counts shard elements (a multiple of QUANTUM), with a ring of buffers
-    sized per array (bytes per chunk), and views of the file in any dtype."""
+    sized per array (bytes per chunk)."""
 
     def __init__(self, directory, nbytes: int, rank: int, policy: OffloadPolicy, largest: int = 1 << 62):  # noqa: D107
         super().__init__(directory, nbytes, rank, policy, largest)
         want = int(policy.chunk_mb * 2**20) // 4 // QUANTUM * QUANTUM
         self.chunk = max(QUANTUM, min(want, -(-largest // QUANTUM) * QUANTUM))
-
-    def view(self, offset: int, n: int, dtype: torch.dtype) -> torch.Tensor:
-        """n elements of `dtype` at byte `offset`, through the shared mapping."""
-        if n == 0:  # torch.frombuffer refuses count=0
-            return torch.empty(0, dtype=dtype)
-        return torch.frombuffer(self._mm, dtype=dtype, count=n, offset=offset)
 
     def ring(self, sizes: Tuple[int, ...]):
         """buffer_count sets of one aligned buffer per array, of sizes[k] bytes (made once, shared by
@@ -107,7 +101,7 @@ class LowBitNvmeStore(ShardStore):
         self._slot_bytes = sum(self._stride.values())
         self._base = swap.region(2 * self._slot_bytes)
         self._slot = 0
-        self._views = [{k: swap.view(self._offset(s, k), count, dtype) for k, (dtype, count, _) in self.arrays.items()}
+        self._views = [{k: swap.tensor(self._offset(s, k), count, dtype) for k, (dtype, count, _) in self.arrays.items()}
                        for s in (0, 1)]
         if policy.precision == "int8" and n:  # the signed map's 0 is not code 0 (as LowBitStore)
             zero_m, _ = lowbit.quantize(torch.zeros(1), True)

@@ -32,6 +32,9 @@ class WholeParams:
     # the model's whole state dict is a collective (every rank gathers; Trainer's and Accelerate's
     # save paths ask this, as they ask about FSDP and DeepSpeed ZeRO-3)
     state_dict_is_collective = False
+    # between gathers a rank holds only its slices of the params (stage 3 on several ranks), which
+    # OffloadPolicy(params=True) can keep on disk
+    slices_only = False
 
     def __init__(self, gathers_after_step: bool):
         self.gathers_after_step = gathers_after_step
@@ -94,6 +97,7 @@ class WholeParams:
 
 class UnitShards(WholeParams):
     state_dict_is_collective = True
+    slices_only = True
 
     def __init__(self):
         super().__init__(gathers_after_step=False)

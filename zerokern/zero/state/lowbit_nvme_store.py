@@ -29,7 +29,7 @@ import torch
 from ...kernels import lowbit
 from ..core.stage import OffloadPolicy, StatePolicy
 from .store import ShardStore
-from .swap import ALIGN, AlignedBuffer, NvmeOffloadError, SwapFile, check_path
+from .swap import ALIGN, AlignedBuffer, NvmeOffloadError, SwapFile, open_swap
 
 if TYPE_CHECKING:  # annotations only
     from ..unit import FlatParams
@@ -231,20 +231,5 @@ def create(placed, offload: OffloadPolicy, policy: StatePolicy, comm, what: str)
     shards = [f.param_shard(b) for f, b in placed]
     nbytes = sum(2 * _slot_bytes(slot_arrays(s.numel(), policy, policy.master_weights and s.dtype != torch.float32))
                  for s in shards)
-    rank = comm.rank if comm.distributed else 0
-    problem = check_path(offload.path, nbytes)
-    swap = None
-    if problem is None:
-        try:
-            swap = LowBitSwapFile(offload.path, nbytes, rank, offload,
-                                  largest=max((s.numel() for s in shards), default=1))
-        except NvmeOffloadError as e:
-            problem = str(e)
-    problems = comm.gather_objects(problem and f"rank {rank}: {problem}", name="nvme_path")
-    if any(problems):
-        raise NvmeOffloadError(
-            f"zerokern: {what}(offload=OffloadPolicy(device='nvme', path={offload.path!r})) cannot keep the "
-            "optimizer state on disk: " + "; ".join(p for p in problems if p)
-            + f". Each rank needs two slots of its shard's state ({ALIGN}-byte aligned); pass a directory on a "
-            "local disk with room, on every rank")
-    return [LowBitNvmeStore(f, b, swap, rank, policy) for f, b in placed]
+    swap = open_swap(LowBitSwapFile, offload, nbytes, max((s.numel() for s in shards), default=1), comm, what)
+    return [LowBitNvmeStore(f, b, swap, swap.rank, policy) for f, b in placed]

@@ -26,7 +26,7 @@ import torch
 
 from ..core.stage import OffloadPolicy
 from .store import ShardStore
-from .swap import ALIGN, NvmeOffloadError, SwapFile, check_path, padded
+from .swap import ALIGN, NvmeOffloadError, SwapFile, open_swap, padded
 
 if TYPE_CHECKING:  # annotations only
     from ..unit import FlatParams
@@ -247,25 +247,11 @@ class NvmeStore(ShardStore):
 
 def create(placed, policy: OffloadPolicy, comm, what: str) -> List[NvmeStore]:
     """The NvmeStores of this rank's buckets (placed: (FlatParams, bucket index) pairs), in one
-    swap file under policy.path, after every rank checked its path: a collective, and every rank
-    raises when any rank cannot hold its state."""
+    swap file under policy.path (open_swap)."""
     nbytes = sum(_region_bytes(f.param_shard(b).numel(), f.param_shard(b).dtype, policy.params) for f, b in placed)
-    rank = comm.rank if comm.distributed else 0
-    problem = check_path(policy.path, nbytes)
-    swap = None
-    if problem is None:
-        try:
-            swap = SwapFile(policy.path, nbytes, rank, policy,
-                            largest=max((f.param_shard(b).numel() for f, b in placed), default=1))
-        except NvmeOffloadError as e:
-            problem = str(e)
-    problems = comm.gather_objects(problem and f"rank {rank}: {problem}", name="nvme_path")
-    if any(problems):
-        raise NvmeOffloadError(
-            f"zerokern: {what}(offload=OffloadPolicy(device='nvme', path={policy.path!r})) cannot keep the optimizer "
-            "state on disk: " + "; ".join(p for p in problems if p)
-            + f". Each rank needs two slots of its shard's state ({ALIGN}-byte aligned); pass a directory on a "
-            "local disk with room, on every rank")
+    swap = open_swap(SwapFile, policy, nbytes, max((f.param_shard(b).numel() for f, b in placed), default=1),
+                     comm, what)
+    rank = swap.rank
     stores = [NvmeStore(f, b, swap, rank, policy.params) for f, b in placed]
     if policy.params:  # [Note: stage-3 params on disk]
         problem = None

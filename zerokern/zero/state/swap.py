@@ -245,3 +245,24 @@ class SwapFile:
                 raise NvmeOffloadError(f"{op} of {total - done:,} bytes at byte {offset + done:,} of {self.path}: "
                                        "the file ended")
             done += got
+
+
+def open_swap(swap_class, policy, nbytes: int, largest: int, comm, what: str) -> "SwapFile":
+    """This rank's swap file of `nbytes` under policy.path, after every rank checked its path: a
+    collective, and every rank raises when any rank cannot hold its state (both stores' create())."""
+    rank = comm.rank if comm.distributed else 0
+    problem = check_path(policy.path, nbytes)
+    swap = None
+    if problem is None:
+        try:
+            swap = swap_class(policy.path, nbytes, rank, policy, largest=largest)
+        except NvmeOffloadError as e:
+            problem = str(e)
+    problems = comm.gather_objects(problem and f"rank {rank}: {problem}", name="nvme_path")
+    if any(problems):
+        raise NvmeOffloadError(
+            f"zerokern: {what}(offload=OffloadPolicy(device='nvme', path={policy.path!r})) cannot keep the optimizer "
+            "state on disk: " + "; ".join(p for p in problems if p)
+            + f". Each rank needs two slots of its shard's state ({ALIGN}-byte aligned); pass a directory on a "
+            "local disk with room, on every rank")
+    return swap

@@ -35,10 +35,12 @@ class ZeroEngine:
     def __init__(self, optimizer, groups, names, *, zero_stage=None, process_group=None, bucket_cap_mb=None,
                  overlap_comm=None, offload=None, overlap_param_gather=None, state_keys=("exp_avg", "exp_avg_sq"),
                  what="FusedZeroAdam", options="", state=None, mesh=None, reduce_precision=None,
-                 gather_precision=None):
+                 gather_precision=None, disk_state_keys=None):
         """groups: the param groups' param lists (validated); names: {param: name} where known.
         state_keys: the state tensors each store keeps per shard (the optimizer's own). state: a
-        StatePolicy (core/stage.py) for low-bit state or params without masters, else None."""
+        StatePolicy (core/stage.py) for low-bit state or params without masters, else None.
+        disk_state_keys: an optimizer that keeps its own state (ZeroOptimizer: state_keys=()) names
+        here the per-element fp32 state that OffloadPolicy(device="nvme") streams from disk for it."""
         self.optimizer = weakref.ref(optimizer)  # the runtime never calls up into it
         all_params = [p for g in groups for p in g]
         self.trainable = [p for p in all_params if p.requires_grad]
@@ -90,11 +92,12 @@ class ZeroEngine:
             why = ("low-bit state or master_weights=False" if state is not None else
                    f"gather_precision={config.gather_precision!r}" if holds else
                    f"{what} (it keeps its inner optimizer's own state)" if tuple(state_keys) != nvme_store.STATE_KEYS
-                   else None)
+                   and disk_state_keys is None else None)
             if why:
                 raise ValueError(f"zerokern: OffloadPolicy(device='nvme') with {why} is not offered yet; use "
                                  "FusedZeroAdam with fp32 state, or OffloadPolicy(device='cpu')")
-            self.stores = nvme_store.create(placed, config.offload, self.comm, what)
+            self.stores = nvme_store.create(placed, config.offload, self.comm, what,
+                                            state_keys if disk_state_keys is None else disk_state_keys)
         else:
             self.stores = [ShardStore(f, b, config.offload, state_keys, holds_gathered=holds) if state is None
                            else LowBitStore(f, b, state, holds_gathered=holds) for f, b in placed]

@@ -52,7 +52,8 @@ class OffloadPolicy:
     shard back. device="nvme": in a scratch file under `path`, one per rank holding that rank's
     shard only, streamed through `buffer_count` chunks of `chunk_mb` MB per state array
     ([Note: NVMe swap] in zero/state/swap.py). fp32 params stay their own masters in memory; only
-    the moments (and fp16/bf16 params' fp32 masters) go to disk."""
+    the moments (ZeroOptimizer: its inner optimizer's per-element state) and fp16/bf16 params' fp32
+    masters go to disk."""
 
     device: str = "cpu"
     path: Optional[str] = None  # nvme: a directory on a local disk (not tmpfs); each rank's file is its own

@@ -1,5 +1,7 @@
 """NvmeStore: a bucket shard's optimizer state (and the fp32 master of fp16/bf16 params) in this
 rank's swap file ([Note: NVMe swap] in swap.py), streamed through the CPU kernel chunk by chunk.
+state_keys: the per-element fp32 state arrays (Adam's two moments; for ZeroOptimizer its inner
+optimizer's, optim/inner_stream.py).
 
 The protocol differs from ShardStore's operands()/finish(): an optimizer calls stream(run) to
 update (run gets each chunk's operands), and, once every rank's stream() succeeded, commit() (the
@@ -25,8 +27,10 @@ STATE_KEYS = ("exp_avg", "exp_avg_sq")
 class NvmeStore(ShardStore):
     streams = True  # the optimizer updates it with stream() and commit(), not operands()
 
-    def __init__(self, flat: "FlatParams", b: int, swap: SwapFile, rank: int):  # noqa: D107
+    def __init__(self, flat: "FlatParams", b: int, swap: SwapFile, rank: int,  # noqa: D107
+                 state_keys=STATE_KEYS):
         self.flat, self.b, self.swap, self.rank = flat, b, swap, rank
+        self.state_keys = tuple(state_keys)
         self.bucket = flat.buckets[b]
         shard = self._param_shard = flat.param_shard(b)
         self.device = torch.device("cpu")  # where the update runs
@@ -35,7 +39,7 @@ class NvmeStore(ShardStore):
         self.holds_gathered = False
         self.separate_master = self.low_precision  # fp32 params are their own masters, in memory
         self.n = n = shard.numel()
-        self.arrays = STATE_KEYS + (("master",) if self.separate_master else ())
+        self.arrays = self.state_keys + (("master",) if self.separate_master else ())
         self._stride = padded(n) * 4  # bytes of one array in one slot
         self._base = swap.region(2 * len(self.arrays) * self._stride)
         self._slot = 0
@@ -52,7 +56,7 @@ class NvmeStore(ShardStore):
     # the current slot's tensors: what self.state[p] views (FusedZeroAdam re-views after commit())
     @property
     def state(self):
-        return {k: self._views[self._slot][k] for k in STATE_KEYS}
+        return {k: self._views[self._slot][k] for k in self.state_keys}
 
     @property
     def master(self):
@@ -72,9 +76,10 @@ class NvmeStore(ShardStore):
         return len(self.arrays) * self.n * 4
 
     def stream(self, run: Callable) -> Optional[str]:
-        """Update the shard chunk by chunk: run(lo, hi, master, grad, exp_avg, exp_avg_sq, model) on
-        elements [lo, hi) of the shard, with the state chunks read from the current slot and, after
-        run, written to the other one. None, or what failed (this rank's I/O error)."""
+        """Update the shard chunk by chunk: run(lo, hi, master, grad, *state, model) (state: a chunk of
+        each of state_keys, Adam's exp_avg, exp_avg_sq) on elements [lo, hi) of the shard, with the
+        state chunks read from the current slot and, after run, written to the other one. None, or
+        what failed (this rank's I/O error)."""
         if self.n == 0:
             return None
         swap, chunk = self.swap, self.swap.chunk
@@ -114,8 +119,7 @@ class NvmeStore(ShardStore):
                     master, model = bufs["master"].tensor[:hi - lo], self.staging[lo:hi]
                 else:
                     master, model = self.staging[lo:hi], None
-                run(lo, hi, master, grad[lo:hi], bufs["exp_avg"].tensor[:hi - lo], bufs["exp_avg_sq"].tensor[:hi - lo],
-                    model)
+                run(lo, hi, master, grad[lo:hi], *(bufs[k].tensor[:hi - lo] for k in self.state_keys), model)
                 writes[c % len(ring)] = [swap.write(bufs[key], length(c), self._offset(dst, key) + c * chunk * 4)
                                          for key in self.arrays]
                 if c + len(ring) - 1 < count:  # into the set of chunk c - 1, once its writes (issued a chunk
@@ -138,14 +142,14 @@ class NvmeStore(ShardStore):
         self._slot = 1 - self._slot
 
 
-def create(placed, policy: OffloadPolicy, comm, what: str) -> List[NvmeStore]:
+def create(placed, policy: OffloadPolicy, comm, what: str, state_keys=STATE_KEYS) -> List[NvmeStore]:
     """The NvmeStores of this rank's buckets (placed: (FlatParams, bucket index) pairs), in one
     swap file under policy.path, after every rank checked its path: a collective, and every rank
     raises when any rank cannot hold its state."""
     sizes = []
     for f, b in placed:
         shard = f.param_shard(b)
-        arrays = len(STATE_KEYS) + (shard.dtype != torch.float32)
+        arrays = len(state_keys) + (shard.dtype != torch.float32)
         sizes.append(2 * arrays * padded(shard.numel()) * 4)
     nbytes = sum(sizes)
     rank = comm.rank if comm.distributed else 0
@@ -164,4 +168,4 @@ def create(placed, policy: OffloadPolicy, comm, what: str) -> List[NvmeStore]:
             "state on disk: " + "; ".join(p for p in problems if p)
             + f". Each rank needs two slots of its shard's state ({ALIGN}-byte aligned); pass a directory on a "
             "local disk with room, on every rank")
-    return [NvmeStore(f, b, swap, rank) for f, b in placed]
+    return [NvmeStore(f, b, swap, rank, state_keys) for f, b in placed]

@@ -176,8 +176,9 @@ class InnerStream:
                     st[k] = v
         for t, (s, off, n, _) in enumerate(opt._where):
             store, piece = stores[s], opt._piece[t]
-            if store.separate_master:  # the inner optimizer's param: a piece of the master's current slot
-                _repoint(piece, store.master, off, n)
+            # the inner optimizer's param: its piece of the master, which a store may move at commit (a
+            # fp16/bf16 param's master to the slot just written); where it stays, this changes nothing
+            _repoint(piece, store.master, off, n)
             st = opt.inner.state[piece]
             for key in self.keys:
                 if key in st:

@@ -52,6 +52,8 @@ def train(model, opt, rank, world, first, last, skip_grad=None):
         loss_fn(model, x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]).backward()
         if skip_grad is not None and k == first:  # a param without a grad this step: its state must stay
             model[0].bias.grad = None
+            if skip_grad == "layer":  # and a bucket without any (model[0].weight has one of its own)
+                model[0].weight.grad = None
         opt.step()
 
 
@@ -76,19 +78,24 @@ def matches_in_memory(rank, world, stage, dtype, path, kw=None, steps=4):
             "files_left": os.listdir(path)}
 
 
-def dcp_save(rank, world, path, ckpt, kw=None):
+def dcp_save(rank, world, path, ckpt, kw=None, inner=None):
+    """inner: ZeroOptimizer with this inner optimizer (INNER), not FusedZeroAdam, on fp32 params (its
+    state dict has no fp32 masters of bf16 params, so a bf16 resume is not bit for bit, on disk or not)."""
     kw = kw or {}
-    model, opt = build(torch.bfloat16, 2, nvme(path), **kw)
+    model, opt = (build(torch.bfloat16, 2, nvme(path), **kw) if inner is None else
+                  build_zero_optimizer(torch.float32, 2, nvme(path), inner))
     train(model, opt, rank, world, 0, 3)
     dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=ckpt)
     train(model, opt, rank, world, 3, 5)
     return [p.detach().float() for p in model.parameters()]
 
 
-def dcp_resume(rank, world, path, ckpt, offload, kw=None):
+def dcp_resume(rank, world, path, ckpt, offload, kw=None, inner=None):
     """A fresh model and optimizer (state on disk, or in memory) load the checkpoint and go on."""
     kw = kw or {}
-    model, opt = build(torch.bfloat16, 2, nvme(path) if offload else None, seed=7, **kw)
+    offload = nvme(path) if offload else None
+    model, opt = (build(torch.bfloat16, 2, offload, seed=7, **kw) if inner is None else
+                  build_zero_optimizer(torch.float32, 2, offload, inner, seed=7))
     sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
     dcp.load(sd, checkpoint_id=ckpt)
     set_model_state_dict(model, sd["model"])
@@ -227,3 +234,100 @@ def full_disk(rank, world, path):
     except Exception as e:  # noqa: BLE001
         return f"{type(e).__name__}: {e}"
     return None
+
+
+# --- ZeroOptimizer: its inner torch optimizer's state on disk ([Note: inner state on disk]) ---
+
+INNER = {"AdamW": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.05)),
+         "SGD": (torch.optim.SGD, dict(lr=1e-2, momentum=0.9, weight_decay=0.05))}
+
+
+def build_zero_optimizer(dtype, stage, offload, inner, seed=0):
+    """ZeroOptimizer(inner) over model_of's params, two param groups; stage 3 in zerokern.shard units."""
+    model = model_of(dtype, seed=seed)
+    cls, kw = INNER[inner]
+    if stage == 3:
+        for layer in (model[0], model[2], model[4]):
+            zerokern.shard(layer, stage=3, bucket_cap_mb=0.02, offload=offload)
+        zerokern.shard(model, stage=3, bucket_cap_mb=0.02, offload=offload)
+        sharding = {}
+    else:
+        sharding = dict(zero_stage=stage, bucket_cap_mb=0.02, offload=offload)
+    groups = [{"params": [p for n, p in model.named_parameters() if n.endswith("weight")]},
+              {"params": [p for n, p in model.named_parameters() if n.endswith("bias")], "lr": 3e-3,
+               "weight_decay": 0.0}]
+    return model, zerokern.ZeroOptimizer(groups, cls, **sharding, **kw)
+
+
+def zero_optimizer_state(opt):
+    return [t.detach().clone() for st in opt.state.values() for k, t in sorted(st.items())
+            if isinstance(t, torch.Tensor)]
+
+
+def same(xs, ys):
+    xs, ys = list(xs), list(ys)
+    return len(xs) == len(ys) and all(torch.equal(x, y) for x, y in zip(xs, ys))
+
+
+def zero_optimizer_matches_in_memory(rank, world, stage, dtype, path, inner, steps=4):
+    """ZeroOptimizer(inner) in memory and on disk: params and every state tensor (the step counts too)
+    bit for bit, after steps with a param without a grad; then each loads the in-memory one's
+    state dict and trains on alike."""
+    ref_model, ref_opt = build_zero_optimizer(dtype, stage, None, inner)
+    model, opt = build_zero_optimizer(dtype, stage, nvme(path), inner)
+    train(ref_model, ref_opt, rank, world, 0, steps, skip_grad="layer" if stage != 3 else None)
+    train(model, opt, rank, world, 0, steps, skip_grad="layer" if stage != 3 else None)
+    params = same([s.param_shard() for s in ref_opt.stores], [s.param_shard() for s in opt.stores])
+    a, b = zero_optimizer_state(ref_opt), zero_optimizer_state(opt)
+    sd = opt.state_dict()["state"]  # its per-element state: views of the swap file's current slot
+    files = {t.untyped_storage().data_ptr() for s in opt.stores for t in s.state.values()}
+    on_disk = [t for st in sd.values() for k, t in st.items() if k in opt.stores[0].state_keys and t.numel()]
+    sd = ref_opt.state_dict()
+    opt.load_state_dict(sd)
+    ref_opt.load_state_dict(sd)
+    train(ref_model, ref_opt, rank, world, steps, steps + 2)
+    train(model, opt, rank, world, steps, steps + 2)
+    return {"params": params, "state": same(a, b), "n_state": len(a),
+            "streams": all(getattr(s, "streams", False) for s in opt.stores),
+            "chunks": max(-(-s.n // s.swap.chunk) for s in opt.stores),
+            "report": opt.memory_report(), "keys": opt.stores[0].state_keys,
+            "views_of_file": bool(on_disk) and all(t.untyped_storage().data_ptr() in files for t in on_disk),
+            "loaded": same([s.param_shard() for s in ref_opt.stores], [s.param_shard() for s in opt.stores])
+            and same(zero_optimizer_state(ref_opt), zero_optimizer_state(opt))}
+
+
+def zero_optimizer_io_error(rank, world, path, fail_rank, op, stage):
+    """io_error's case for ZeroOptimizer(AdamW): every rank raises, nothing changed, then trains on."""
+    ref_model, ref_opt = build_zero_optimizer(torch.bfloat16, stage, None, "AdamW")
+    model, opt = build_zero_optimizer(torch.bfloat16, stage, nvme(path), "AdamW")
+    train(ref_model, ref_opt, rank, world, 0, 2)
+    train(model, opt, rank, world, 0, 2)
+    before = [s.param_shard().clone() for s in opt.stores], zero_optimizer_state(opt)
+    real = getattr(swap, op)
+    calls = []
+
+    def failing(fd, view, offset):
+        calls.append(offset)
+        if len(calls) == 3:  # a few chunks in: some were read, updated and written already
+            raise OSError(5, "Input/output error")
+        return real(fd, view, offset)
+    if rank == fail_rank:
+        setattr(swap, op, failing)
+    x, y = batches(3)[2]
+    per = BATCH // world
+    opt.zero_grad()
+    loss_fn(model, x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]).backward()
+    try:
+        opt.step()
+        error = None
+    except zerokern.zero.state.swap.NvmeOffloadError as e:
+        error = str(e)
+    finally:
+        setattr(swap, op, real)
+    unchanged = same(before[0], [s.param_shard() for s in opt.stores]) and same(before[1], zero_optimizer_state(opt))
+    ref_opt.zero_grad()  # the reference skips that step too
+    train(ref_model, ref_opt, rank, world, 3, 5)
+    train(model, opt, rank, world, 3, 5)
+    then = same([s.param_shard() for s in ref_opt.stores], [s.param_shard() for s in opt.stores])
+    return {"error": error, "unchanged": unchanged, "then_same": then and same(zero_optimizer_state(ref_opt),
+                                                                               zero_optimizer_state(opt))}

@@ -9,6 +9,7 @@ import torch
 
 import dist_harness
 import nvme_workers as W
+import zerokern
 from zerokern import FusedZeroAdam, OffloadPolicy
 from zerokern.zero.state import swap
 from zero_workers import make_model
@@ -51,14 +52,15 @@ def test_lowbit_stage3_state_on_disk_trains_bit_for_bit_as_in_memory(tmp_path):
         assert r["streams"] and r["chunks"] >= 2 and r["params"] and r["state"] and r["n_state"] >= 6, r
 
 
-@pytest.mark.parametrize("state", [{}, INT8], ids=["fp32", "int8"])
-def test_a_dcp_checkpoint_resumes_on_disk_and_in_memory(tmp_path, state):
+@pytest.mark.parametrize("state,inner", [({}, None), (INT8, None), ({}, "AdamW"), ({}, "SGD")],
+                         ids=["fp32", "int8", "ZeroOptimizer-AdamW", "ZeroOptimizer-SGD"])
+def test_a_dcp_checkpoint_resumes_on_disk_and_in_memory(tmp_path, state, inner):
     ckpt = str(tmp_path / "ckpt")
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    want = dist_harness.values(dist_harness.run(W.dcp_save, 2, str(tmp_path / "a"), ckpt, state))
+    want = dist_harness.values(dist_harness.run(W.dcp_save, 2, str(tmp_path / "a"), ckpt, state, inner))
     for offload in (True, False):
-        got = dist_harness.values(dist_harness.run(W.dcp_resume, 2, str(tmp_path / "b"), ckpt, offload, state))
+        got = dist_harness.values(dist_harness.run(W.dcp_resume, 2, str(tmp_path / "b"), ckpt, offload, state, inner))
         for w, g in zip(want, got):
             assert all(torch.equal(a, b) for a, b in zip(w, g)), offload
 
@@ -97,9 +99,9 @@ def test_what_nvme_offload_does_not_offer_is_refused(tmp_path):
     nv = OffloadPolicy(device="nvme", path=str(tmp_path))
     with pytest.raises(ValueError, match=r"OffloadPolicy\(device='cpu'\) with state_precision='bf16'/'int8'"):
         FusedZeroAdam(model.parameters(), offload=OffloadPolicy(), state_precision="int8")
-    import zerokern
-    with pytest.raises(ValueError, match="device='nvme'.*ZeroOptimizer"):
-        zerokern.ZeroOptimizer(model.parameters(), torch.optim.AdamW, offload=nv)
+    # ZeroOptimizer is offered: its inner optimizer's per-element state streams from disk
+    opt = zerokern.ZeroOptimizer(model.parameters(), torch.optim.AdamW, offload=nv, zero_stage=2)
+    assert all(s.streams and s.state_keys == ("exp_avg", "exp_avg_sq") for s in opt.stores)
     with pytest.raises(ValueError, match="needs path="):
         OffloadPolicy(device="nvme")
 
@@ -219,3 +221,63 @@ def test_a_long_first_fill_says_how_far_it_got(tmp_path, monkeypatch, capsys):
     lin(torch.randn(3, 256, dtype=torch.bfloat16)).float().square().sum().backward()
     opt.step()
     assert "writing the first values" not in capsys.readouterr().err  # the second step fills nothing
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("inner", ["AdamW", "SGD"])
+def test_zero_optimizer_state_on_disk_trains_bit_for_bit_as_in_memory(tmp_path, stage, dtype, inner):
+    """ZeroOptimizer's inner optimizer stepped chunk by chunk over state streamed from disk
+    ([Note: inner state on disk]): the in-memory numbers, state dicts that view the file, and a
+    loaded state dict trains on alike."""
+    for r in dist_harness.values(dist_harness.run(W.zero_optimizer_matches_in_memory, 2, stage, dtype, str(tmp_path),
+                                                  inner)):
+        assert r["streams"] and r["chunks"] >= 2, r
+        assert r["keys"] == {"AdamW": ("exp_avg", "exp_avg_sq"), "SGD": ("momentum_buffer",)}[inner], r
+        assert r["params"] and r["state"] and r["n_state"] >= 6, r
+        assert r["views_of_file"] and r["loaded"], r
+        assert r["report"]["master_params"] == 0 and r["report"]["on_disk"] > 0, r["report"]
+        assert r["report"]["adam_state"] <= 4 * 6, r["report"]  # in memory: the step counts only
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_optimizer_io_error_on_one_rank_raises_on_every_rank_and_changes_nothing(tmp_path, stage):
+    for rank, r in enumerate(dist_harness.values(dist_harness.run(W.zero_optimizer_io_error, 2, str(tmp_path), 1,
+                                                                  "_pwrite", stage))):
+        assert r["error"] and "rank 1:" in r["error"] and "Input/output error" in r["error"], (rank, r)
+        assert "not applied on any rank" in r["error"], r
+        assert r["unchanged"] and r["then_same"], (rank, r)
+
+
+@pytest.mark.parametrize("cls,kw", [
+    (torch.optim.Adam, dict(lr=1e-2, amsgrad=True)),
+    (torch.optim.Adagrad, dict(lr=1e-2, initial_accumulator_value=0.1)),
+    (torch.optim.RMSprop, dict(lr=1e-2, momentum=0.5, centered=True)), (torch.optim.Rprop, dict(lr=1e-2)),
+    (torch.optim.ASGD, dict(lr=1e-2)), (torch.optim.NAdam, dict(lr=1e-2)), (torch.optim.RAdam, dict(lr=1e-2)),
+    (torch.optim.Adamax, dict(lr=1e-2)), (torch.optim.Adadelta, dict(lr=1.0)),
+    (torch.optim.SGD, dict(lr=1e-2, momentum=0.9, nesterov=True))], ids=lambda v: getattr(v, "__name__", ""))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_zero_optimizer_any_elementwise_inner_optimizer_on_disk_matches_in_memory(tmp_path, cls, kw, dtype):
+    """One process: each torch.optim elementwise optimizer's per-element state (max_exp_avg_sq, Adagrad's
+    sum from a non-zero start, Rprop's step_size, ASGD's ax, ...) streamed in several chunks, with its
+    per-param scalars (ASGD's eta and mu) stepped once per step: the in-memory numbers, bit for bit."""
+    runs = []
+    for offload in (None, OffloadPolicy(device="nvme", path=str(tmp_path), chunk_mb=4096 / 2**20, buffer_count=2)):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(40, 96), torch.nn.Tanh(), torch.nn.Linear(96, 7)).to(dtype)
+        opt = zerokern.ZeroOptimizer(m.parameters(), cls, offload=offload, zero_stage=2, bucket_cap_mb=0.01, **kw)
+        for k in range(4):
+            opt.zero_grad()
+            x = torch.randn(5, 40, generator=torch.Generator().manual_seed(k)).to(dtype)
+            m(x).float().square().sum().backward()
+            if k == 0:
+                m[0].bias.grad = None  # no step for it: its state stays
+            opt.step()
+        runs.append(([p.detach().clone() for p in m.parameters()],
+                     [v.clone() for st in opt.state.values() for _, v in sorted(st.items())
+                      if isinstance(v, torch.Tensor)]))
+    if offload is not None:
+        assert all(s.streams for s in opt.stores) and max(-(-s.n // s.swap.chunk) for s in opt.stores) >= 2
+    (pa, sa), (pb, sb) = runs
+    assert all(torch.equal(x, y) for x, y in zip(pa, pb))
+    assert len(sa) == len(sb) and all(torch.equal(x, y) for x, y in zip(sa, sb))

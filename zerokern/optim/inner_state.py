@@ -93,6 +93,24 @@ def late_keys(optimizer_class, kwargs, group, device):
     return late
 
 
+def element_keys(optimizer_class, kwargs, groups):
+    """{key: dtype} of the per-element state (tensors of the param's shape: Adam's moments, SGD's
+    momentum_buffer) that optimizer_class makes for a param of any of these param groups, in the
+    order it makes them: found, as late_keys, by a throwaway instance stepped once on 2 elements.
+    OffloadPolicy(device="nvme") keeps the fp32 ones on disk (optim/inner_stream.py)."""
+    keys = {}
+    for group in groups:
+        x = torch.zeros(2)
+        probe = optimizer_class([{**_param_keys(group), "params": [x]}], **kwargs)
+        make_initial_state(probe, [x])
+        x.grad = torch.full_like(x, 0.5)
+        probe.step()
+        for key, v in probe.state.get(x, {}).items():
+            if isinstance(v, torch.Tensor) and v.shape == x.shape:
+                keys.setdefault(key, v.dtype)
+    return keys
+
+
 def with_placeholders(st, late, like, optimizer_class, name):
     """A state dict entry: the inner state `st` (the same tensors) and, where the group has late
     keys, FRESH and zero placeholders of the late keys not made yet (per-element ones like `like`).

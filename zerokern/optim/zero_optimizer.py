@@ -24,11 +24,17 @@ FusedZeroAdam's: [Note: sharded state in checkpoints] in optim/state_dict.py), s
 dcp.load re-shard it; load_state_dict takes such a dict (keyed by index, or by name as torch's
 set_optimizer_state_dict gives it), or whole (unsharded) tensors, e.g. the same torch optimizer's
 state dict on one process.
+
+With offload=OffloadPolicy(device="nvme", path=...) (or zerokern.shard units with it) the inner
+optimizer's per-element fp32 state lives in the swap file and each step streams it chunk by chunk,
+stepping the inner optimizer over each chunk's slices of the pieces: the same numbers, and the
+state in self.state[p] as views of the file ([Note: inner state on disk] in optim/inner_stream.py).
 """
 
 import torch
 
 from . import inner_state, wire_checkpoint
+from .inner_stream import InnerStream
 from . import state_dict as checkpoint
 from ..zero.engine import ZeroEngine
 from .engine_optimizer import EngineOptimizer
@@ -99,8 +105,11 @@ class ZeroOptimizer(EngineOptimizer):
         super().__init__(validated_groups(params), defaults)
         self._constructing = False
         names = {p: n for g in self.param_groups for p, n in zip(g["params"], g.get("param_names", ()))}
+        # the inner optimizer's per-element state: what OffloadPolicy(device="nvme") keeps on disk
+        elements = inner_state.element_keys(optimizer_class, kwargs, self.param_groups)
         self.engine = ZeroEngine(self, [g["params"] for g in self.param_groups], names, state_keys=(),
-                                 what="ZeroOptimizer", options=repr((optimizer_class.__name__, kwargs)), **sharding)
+                                 what="ZeroOptimizer", options=repr((optimizer_class.__name__, kwargs)),
+                                 disk_state_keys=[k for k, dt in elements.items() if dt == torch.float32], **sharding)
         trainable = self.engine.trainable
         group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
         # per trainable param: (store index, shard offset, numel, start in the flattened param). Every
@@ -132,10 +141,25 @@ class ZeroOptimizer(EngineOptimizer):
         device = stores[0].master.device if stores else torch.device("cpu")
         late = [inner_state.late_keys(optimizer_class, kwargs, g, device) for g in self.inner.param_groups]
         self._late = {t: late[k] for k, ts in enumerate(self._inner_ts) for t in ts}
-        inner_state.make_initial_state(self.inner, list(self._piece.values()))
+        self._disk = None  # [Note: inner state on disk] in optim/inner_stream.py
+        if stores and getattr(stores[0], "streams", False):
+            other = [k for k, dt in elements.items() if dt != torch.float32]
+            if other:
+                raise ValueError(f"zerokern: OffloadPolicy(device='nvme') keeps fp32 state on disk, and "
+                                 f"{optimizer_class.__name__}'s {other} is {elements[other[0]]}; use "
+                                 "OffloadPolicy(device='cpu')")
+            self._disk = InnerStream(self, stores[0].state_keys)
+            self._disk.init_state()  # a piece at a time, each moved to disk at once
+        else:
+            inner_state.make_initial_state(self.inner, list(self._piece.values()))
         self._sync_state()
 
     def _update(self, had, divisor):
+        for gi, inner in zip(self._inner_groups, self.inner.param_groups):  # lr schedulers change the outer ones
+            inner.update({k: v for k, v in self.param_groups[gi].items() if k not in ("params", "param_names")})
+        if self._disk is not None:
+            self._disk.step(had, divisor)
+            return
         stores = self.engine.stores
         grads, models = [], []
         for store in stores:
@@ -151,8 +175,6 @@ class ZeroOptimizer(EngineOptimizer):
         for t, piece in self._piece.items():
             s, off, n, _ = self._where[t]
             piece.grad = grads[s][off:off + n] if had[t] else None
-        for gi, inner in zip(self._inner_groups, self.inner.param_groups):  # lr schedulers change the outer ones
-            inner.update({k: v for k, v in self.param_groups[gi].items() if k not in ("params", "param_names")})
         self.inner.step()
         for piece in self._piece.values():
             piece.grad = None
@@ -253,12 +275,15 @@ class ZeroOptimizer(EngineOptimizer):
         self.inner.load_state_dict({"state": inner_state_dict, "param_groups": groups})
         wire_checkpoint.restore(self, carried, counts)
         inner_state.make_initial_state(self.inner, list(self._piece.values()))  # the params the dict had none of
+        if self._disk is not None:
+            self._disk.to_disk(range(len(self._where)))  # the loaded values into the current slot
         self._sync_state()
 
     def memory_report(self):
         rep = self.engine.memory_report()
-        inner = sum(v.numel() * v.element_size() for st in self.inner.state.values() for v in st.values()
-                    if isinstance(v, torch.Tensor))
+        on_disk = self._disk.keys if self._disk is not None else ()  # counted in rep["on_disk"]
+        inner = sum(v.numel() * v.element_size() for st in self.inner.state.values() for k, v in st.items()
+                    if isinstance(v, torch.Tensor) and k not in on_disk)
         rep["adam_state"] += inner  # the inner optimizer's state
         rep["total"] += inner
         return rep

@@ -35,10 +35,12 @@ class ZeroEngine:
     def __init__(self, optimizer, groups, names, *, zero_stage=None, process_group=None, bucket_cap_mb=None,
                  overlap_comm=None, offload=None, overlap_param_gather=None, state_keys=("exp_avg", "exp_avg_sq"),
                  what="FusedZeroAdam", options="", state=None, mesh=None, reduce_precision=None,
-                 gather_precision=None):
+                 gather_precision=None, disk_state_keys=None):
         """groups: the param groups' param lists (validated); names: {param: name} where known.
         state_keys: the state tensors each store keeps per shard (the optimizer's own). state: a
-        StatePolicy (core/stage.py) for low-bit state or params without masters, else None."""
+        StatePolicy (core/stage.py) for low-bit state or params without masters, else None.
+        disk_state_keys: an optimizer that keeps its own state (ZeroOptimizer: state_keys=()) names
+        here the per-element fp32 state that OffloadPolicy(device="nvme") streams from disk for it."""
         self.optimizer = weakref.ref(optimizer)  # the runtime never calls up into it
         all_params = [p for g in groups for p in g]
         self.trainable = [p for p in all_params if p.requires_grad]
@@ -89,7 +91,7 @@ class ZeroEngine:
         if config.offload is not None and config.offload.on_disk:
             why = (f"gather_precision={config.gather_precision!r}" if holds else
                    f"{what} (it keeps its inner optimizer's own state)" if tuple(state_keys) != nvme_store.STATE_KEYS
-                   else None)
+                   and disk_state_keys is None else None)
             if why:
                 raise ValueError(f"zerokern: OffloadPolicy(device='nvme') with {why} is not offered yet; use "
                                  "FusedZeroAdam with fp32 state, or OffloadPolicy(device='cpu')")
@@ -107,7 +109,9 @@ class ZeroEngine:
                 raise ValueError(f"zerokern: OffloadPolicy(params=True) with state_precision="
                                  f"{state.precision!r} is not offered yet: the low-bit stores keep the param shards "
                                  "in memory. Use params=False (the low-bit state still goes to disk), or fp32 state")
-            self.stores = (nvme_store.create(placed, config.offload, self.comm, what) if state is None
+            self.stores = (nvme_store.create(placed, config.offload, self.comm, what,
+                                             state_keys if disk_state_keys is None else disk_state_keys)
+                           if state is None
                            else lowbit_nvme_store.create(placed, config.offload, state, self.comm, what))
         else:
             self.stores = [ShardStore(f, b, config.offload, state_keys, holds_gathered=holds) if state is None

@@ -52,9 +52,9 @@ class OffloadPolicy:
     shard back. device="nvme": in a scratch file under `path`, one per rank holding that rank's
     shard only, streamed through `buffer_count` chunks of `chunk_mb` MB per state array
     ([Note: NVMe swap] in zero/state/swap.py). fp32 params stay their own masters in memory; only
-    the moments (and fp16/bf16 params' fp32 masters) go to disk, unless params=True: at stage 3 the
-    param shards too, read just before each gather and written by the update ([Note: stage-3 params
-    on disk] in zero/state/nvme_store.py). FusedZeroAdam's low-bit state
+    the moments (ZeroOptimizer: its inner optimizer's per-element state) and fp16/bf16 params' fp32
+    masters go to disk, unless params=True: at stage 3 the param shards too, read just before each
+    gather and written by the update ([Note: stage-3 params on disk] in zero/state/nvme_store.py). FusedZeroAdam's low-bit state
     (state_precision "int8" or "bf16", master_weights True or False) goes to disk as it is held in
     memory: int8 codes and their block scales, or bf16 moments, and the fp32 masters if any (bf16
     params without masters stay in memory), in chunks of a multiple of 262,144 elements

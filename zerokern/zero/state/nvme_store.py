@@ -1,5 +1,7 @@
 """NvmeStore: a bucket shard's optimizer state (and the fp32 master of fp16/bf16 params) in this
 rank's swap file ([Note: NVMe swap] in swap.py), streamed through the CPU kernel chunk by chunk.
+state_keys: the per-element fp32 state arrays (Adam's two moments; for ZeroOptimizer its inner
+optimizer's, optim/inner_stream.py).
 
 The protocol differs from ShardStore's operands()/finish(): an optimizer calls stream(run) to
 update (run gets each chunk's operands), and, once every rank's stream() succeeded, commit() (the
@@ -34,9 +36,9 @@ if TYPE_CHECKING:  # annotations only
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
 
-def _arrays(dtype: torch.dtype, params_on_disk: bool):
+def _arrays(dtype: torch.dtype, params_on_disk: bool, state_keys=STATE_KEYS):
     """(name, dtype) of the arrays in one slot of a shard of params of `dtype`."""
-    arrays = [(k, torch.float32) for k in STATE_KEYS]
+    arrays = [(k, torch.float32) for k in state_keys]
     if dtype != torch.float32:
         arrays.append(("master", torch.float32))
     if params_on_disk:
@@ -49,16 +51,17 @@ def _stride(n: int, dtype: torch.dtype) -> int:
     return -(-padded(n) * dtype.itemsize // ALIGN) * ALIGN
 
 
-def _region_bytes(n: int, dtype: torch.dtype, params_on_disk: bool) -> int:
-    return 2 * sum(_stride(n, t) for _, t in _arrays(dtype, params_on_disk))
+def _region_bytes(n: int, dtype: torch.dtype, params_on_disk: bool, state_keys=STATE_KEYS) -> int:
+    return 2 * sum(_stride(n, t) for _, t in _arrays(dtype, params_on_disk, state_keys))
 
 
 class NvmeStore(ShardStore):
     streams = True  # the optimizer updates it with stream() and commit(), not operands()
 
     def __init__(self, flat: "FlatParams", b: int, swap: SwapFile, rank: int,  # noqa: D107
-                 params_on_disk: bool = False):
+                 params_on_disk: bool = False, state_keys=STATE_KEYS):
         self.flat, self.b, self.swap, self.rank = flat, b, swap, rank
+        self.state_keys = tuple(state_keys)
         self.bucket = flat.buckets[b]
         shard = self._param_shard = flat.param_shard(b)
         self.device = torch.device("cpu")  # where the update runs
@@ -68,7 +71,7 @@ class NvmeStore(ShardStore):
         self.separate_master = self.low_precision  # fp32 params are their own masters (in memory, or "param")
         self.params_on_disk = params_on_disk
         self.n = n = shard.numel()
-        self._dtypes = dict(_arrays(shard.dtype, params_on_disk))
+        self._dtypes = dict(_arrays(shard.dtype, params_on_disk, self.state_keys))
         self.arrays = tuple(self._dtypes)
         self._strides = {k: _stride(n, t) for k, t in self._dtypes.items()}
         self._slot_bytes = sum(self._strides.values())
@@ -99,7 +102,7 @@ class NvmeStore(ShardStore):
     # the current slot's tensors: what self.state[p] views (FusedZeroAdam re-views after commit())
     @property
     def state(self):
-        return {k: self._views[self._slot][k] for k in STATE_KEYS}
+        return {k: self._views[self._slot][k] for k in self.state_keys}
 
     @property
     def master(self):
@@ -176,9 +179,10 @@ class NvmeStore(ShardStore):
         return sum(self.n * t.itemsize for t in self._dtypes.values())
 
     def stream(self, run: Callable) -> Optional[str]:
-        """Update the shard chunk by chunk: run(lo, hi, master, grad, exp_avg, exp_avg_sq, model) on
-        elements [lo, hi) of the shard, with the arrays' chunks read from the current slot and, after
-        run, written to the other one. None, or what failed (this rank's I/O error)."""
+        """Update the shard chunk by chunk: run(lo, hi, master, grad, *state, model) (state: a chunk of
+        each of state_keys, Adam's exp_avg, exp_avg_sq) on elements [lo, hi) of the shard, with the
+        arrays' chunks read from the current slot and, after run, written to the other one. None, or
+        what failed (this rank's I/O error)."""
         if self.n == 0:
             return None
         swap, chunk = self.swap, self.swap.chunk
@@ -219,7 +223,7 @@ class NvmeStore(ShardStore):
                     model = self.staging[lo:hi]
                     model.copy_(shard[lo:hi])  # elements not updated keep their values
                 master = bufs["master"] if self.separate_master else model
-                run(lo, hi, master, grad[lo:hi], bufs["exp_avg"], bufs["exp_avg_sq"],
+                run(lo, hi, master, grad[lo:hi], *(bufs[k] for k in self.state_keys),
                     model if self.separate_master else None)
                 writes[c % len(ring)] = [swap.write(buf, io(c, key)[0], self._offset(dst, key) + io(c, key)[1])
                                          for key, buf in zip(self.arrays, ring[c % len(ring)])]
@@ -245,14 +249,15 @@ class NvmeStore(ShardStore):
             self._param_shard.copy_(self.staging)
 
 
-def create(placed, policy: OffloadPolicy, comm, what: str) -> List[NvmeStore]:
+def create(placed, policy: OffloadPolicy, comm, what: str, state_keys=STATE_KEYS) -> List[NvmeStore]:
     """The NvmeStores of this rank's buckets (placed: (FlatParams, bucket index) pairs), in one
     swap file under policy.path (open_swap)."""
-    nbytes = sum(_region_bytes(f.param_shard(b).numel(), f.param_shard(b).dtype, policy.params) for f, b in placed)
+    nbytes = sum(_region_bytes(f.param_shard(b).numel(), f.param_shard(b).dtype, policy.params, state_keys)
+                 for f, b in placed)
     swap = open_swap(SwapFile, policy, nbytes, max((f.param_shard(b).numel() for f, b in placed), default=1),
                      comm, what)
     rank = swap.rank
-    stores = [NvmeStore(f, b, swap, rank, policy.params) for f, b in placed]
+    stores = [NvmeStore(f, b, swap, rank, policy.params, state_keys) for f, b in placed]
     if policy.params:  # [Note: stage-3 params on disk]
         problem = None
         try:

@@ -8,7 +8,9 @@ its checks, and the aligned buffers and threads that stream it.
   padded to ALIGN bytes (low-bit state: [Note: low-bit chunks on disk] in lowbit_nvme_store.py). A step reads slot s and writes slot 1 - s, so a step that fails part way
   (an I/O error on any rank) leaves slot s, and the params, as they were: nothing half-updated.
   Only when every rank's writes are done does each store flip to the new slot
-  (NvmeStore.commit; FusedZeroAdam._update_streamed).
+  (NvmeStore.commit; FusedZeroAdam._update_streamed). ZeroOptimizer's inner torch optimizer keeps
+  its per-element fp32 state as the arrays instead ([Note: inner state on disk] in
+  optim/inner_stream.py).
 - The step streams: a ring of `buffer_count` buffer sets of one chunk per array; chunk i+1.. is read
   while chunk i updates and chunk i-1 is written, by `io_threads` threads (os.preadv/pwritev on an
   O_DIRECT descriptor release the GIL; O_DIRECT skips the page cache, so the state does not come

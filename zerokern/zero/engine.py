@@ -22,7 +22,6 @@ from .grad_norm import global_norm
 from .grads import ddp_guard
 from .grads.path import grad_path
 from .grads.schedule import ReduceSchedule
-from .core.stage import ParamMode
 from .options import sharding
 from .params.policy import param_policy
 from .state import nvme_store
@@ -95,10 +94,7 @@ class ZeroEngine:
             if why:
                 raise ValueError(f"zerokern: OffloadPolicy(device='nvme') with {why} is not offered yet; use "
                                  "FusedZeroAdam with fp32 state, or OffloadPolicy(device='cpu')")
-            if config.offload.params and strategy.params is not ParamMode.GATHER_PER_UNIT:
-                raise ValueError(f"zerokern: OffloadPolicy(params=True) puts stage 3's param shards on disk, but "
-                                 f"with {self.comm.world_size} rank(s) every rank holds whole params: it needs stage 3 "
-                                 "on 2 or more ranks (or params=False)")
+            self.param_policy.check_offload(config.offload, self.comm)
             on_gpu = [p for p in self.trainable if p.device.type != "cpu"]
             if config.offload.params and on_gpu:
                 raise ValueError(f"zerokern: OffloadPolicy(params=True) with params on {on_gpu[0].device} "

@@ -28,7 +28,7 @@ from .state import nvme_store
 from .state.lowbit_store import LowBitStore
 from .state.store import ShardStore
 from .step import Piece, RoundFlags, Step
-from .unit import check_free, forward_order, make_unit, owner_of, unit_of  # noqa: F401 (owner_of: integrations)
+from .unit import check_free, forward_order, make_unit, unit_of
 
 
 class ZeroEngine:

@@ -6,7 +6,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 import zerokern
 from stage2_workers import poison_pool
-from zerokern.zero.api import unit_of
+from zerokern.zero.unit import unit_of
 from numerics import abs_diff
 
 V, D, T, BATCH = 48, 16, 6, 3

@@ -62,8 +62,7 @@ def test_one_process_trains_as_without_it():
 def test_units_gather_in_the_order_the_forward_reaches_them():
     """The root first (its pre-hook runs first, also where its own params come last), then the
     blocks in order."""
-    from zerokern.zero.unit import forward_order
-    from zerokern.zero.api import unit_of
+    from zerokern.zero.unit import forward_order, unit_of
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     for blk in list(model)[1::-1]:  # shard the blocks in reverse, to show the order is not the calls'

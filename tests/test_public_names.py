@@ -1,5 +1,6 @@
-"""The exceptions users catch are exported from `zerokern`; the paths the docs named before the
-runtime moved into sub-packages still work for one release, with a DeprecationWarning."""
+"""The exceptions users catch are exported from `zerokern`. The paths before the runtime moved into
+sub-packages (zerokern.zero.collective_check, zerokern.zero.ddp_guard) are gone: there has never
+been a release that had them (issue 48)."""
 
 import importlib
 
@@ -8,14 +9,16 @@ import pytest
 import zerokern
 
 
-@pytest.mark.parametrize("name, old", [("RankLost", "zerokern.zero.collective_check"),
-                                       ("CollectiveMismatch", "zerokern.zero.collective_check"),
-                                       ("WrappedInDDPError", "zerokern.zero.ddp_guard")])
-def test_exceptions_exported_and_old_paths_warn(name, old):
+@pytest.mark.parametrize("name", ["RankLost", "CollectiveMismatch", "WrappedInDDPError"])
+def test_exceptions_exported(name):
     cls = getattr(zerokern, name)
     assert issubclass(cls, RuntimeError) and name in zerokern.__all__
-    with pytest.warns(DeprecationWarning, match=f"use zerokern.{name}"):
-        assert getattr(importlib.import_module(old), name) is cls
+
+
+@pytest.mark.parametrize("old", ["zerokern.zero.collective_check", "zerokern.zero.ddp_guard"])
+def test_the_old_paths_are_gone(old):
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(old)
 
 
 def test_rank_lost_is_a_collective_mismatch_and_backend_error_exported():

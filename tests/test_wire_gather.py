@@ -9,7 +9,7 @@ import torch
 import dist_harness
 import wire_gather_workers as W
 from zerokern.kernels import wire
-from zerokern.zero.comm.base import _Done
+from zerokern.zero.comm.works import _Done
 from zerokern.zero.params.wire_gather import ParamWire, chunk_bytes, sent_bytes
 
 REF_STEPS, STEPS = 30, 200

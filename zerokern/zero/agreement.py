@@ -159,8 +159,8 @@ class Agreement:
         checks the reduced shards and has the ranks agree on one flag (all-reduce MAX), so every
         rank's scaler sees an overflow, skips and backs off alike. Any dtype: fp32/bf16 params
         under autocast(fp16) use a scaler too. No host sync."""
-        if self.strategy.local_grads and self.stores:
-            self.path.after_backward(self)
+        if self.stores:
+            self.path.after_backward(self)  # the grad path knows whether .grad is local
 
     def agreed_overflow(self, usage: Optional[List[float]] = None):
         """(flag, usage): flag 1.0 if a reduced shard holds an inf/nan on any rank, else 0, and the

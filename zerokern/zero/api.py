@@ -29,7 +29,7 @@ from .params.materialize import materialize
 from .core.stage import OffloadPolicy, ShardConfig
 from .grads.path import grad_path
 from .params.policy import param_policy
-from .unit import ShardUnit, make_unit, unit_of  # noqa: F401 (unit_of re-exported)
+from .unit import ShardUnit, make_unit, unit_of
 
 class ZeroModule:
     """Methods a sharded module gains (its class becomes a subclass of this and of its own)."""

@@ -28,7 +28,7 @@ from .state import lowbit_nvme_store, nvme_store
 from .state.lowbit_store import LowBitStore
 from .state.store import ShardStore
 from .step import Piece, RoundFlags, Step
-from .unit import check_free, forward_order, make_unit, owner_of, unit_of  # noqa: F401 (owner_of: integrations)
+from .unit import check_free, forward_order, make_unit, unit_of
 
 
 class ZeroEngine:
@@ -95,10 +95,7 @@ class ZeroEngine:
             if why:
                 raise ValueError(f"zerokern: OffloadPolicy(device='nvme') with {why} is not offered yet; use "
                                  "FusedZeroAdam with fp32 state, or OffloadPolicy(device='cpu')")
-            if config.offload.params and not self.param_policy.slices_only:
-                raise ValueError(f"zerokern: OffloadPolicy(params=True) puts stage 3's param shards on disk, but "
-                                 f"with {self.comm.world_size} rank(s) every rank holds whole params: it needs stage 3 "
-                                 "on 2 or more ranks (or params=False)")
+            self.param_policy.check_offload(config.offload, self.comm)
             on_gpu = [p for p in self.trainable if p.device.type != "cpu"]
             if config.offload.params and on_gpu:
                 raise ValueError(f"zerokern: OffloadPolicy(params=True) with params on {on_gpu[0].device} "

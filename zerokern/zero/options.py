@@ -5,6 +5,7 @@ import dataclasses
 
 import torch
 
+from .comm.factory import comm_for
 from .comm.hybrid import resolve_mesh
 from .core.stage import ShardConfig, optimizer_stage
 
@@ -44,9 +45,6 @@ def sharding(units, zero_stage, process_group, bucket_cap_mb, overlap_comm, offl
             raise ValueError("zerokern: FusedZeroAdam got another mesh than zerokern.shard(); pass it to shard() "
                              "only")
         return units[0].comm, config
-    # here, not at the top: the engine reaches the Comm classes through this file, and the chain of
-    # module-level imports stays within 5 (tests/test_layers.py)
-    from .comm.factory import comm_for
     comm = comm_for(process_group, mesh, device_type)
     stage = optimizer_stage(zero_stage, comm.world_size)
     return comm, ShardConfig(stage, 25.0 if bucket_cap_mb is None else bucket_cap_mb,

@@ -34,7 +34,7 @@ from .grads.bucket import GradBucket
 from .core.layout import plan_layout
 from .core.member import Member
 from .grads.placeholder import CONSUMED, ZERO, ShardedGrad
-from .core.stage import OffloadPolicy, ParamMode, ShardConfig, Strategy  # noqa: F401 (re-exported)
+from .core.stage import ShardConfig, Strategy
 from .core.states import BucketState
 from .params.storage import FlatBuffers
 
@@ -269,9 +269,10 @@ class ShardUnit:
         # would keep a dropped model's buckets alive for good. The unit lives as long as its module
         # (module._zerokern_unit) or its optimizer (opt.units) holds it.
         me = weakref.ref(self)
-        self._hooks = [h for k, f in enumerate(self.flat) for i, p in enumerate(f.params)
-                       for h in (p.register_hook(_pre_hook(me, k, i)),
-                                 p.register_post_accumulate_grad_hook(_hook(me, k, i)))]
+        for k, f in enumerate(self.flat):
+            for i, p in enumerate(f.params):
+                p.register_hook(_pre_hook(me, k, i))
+                p.register_post_accumulate_grad_hook(_hook(me, k, i))
 
     @property
     def params(self) -> List[torch.Tensor]:
@@ -349,11 +350,6 @@ class ShardUnit:
             f"zerokern: a module sharded with zerokern.shard (unit '{self.name}') or an optimizer over it "
             "cannot be deep-copied (its params are views of shared buckets with hooks). Copy the model "
             "before sharding it, or copy its state_dict() into a fresh model")
-
-    def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
 
 
 # param -> a weak reference to the unit that owns it. Weak both ways: a param that dies (or a

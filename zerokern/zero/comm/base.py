@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from .works import _Done, finished  # noqa: F401 (finished: gloo.py and the tests take it from here)
+from .works import Finish, _Done
 
 
 # torch 2.14 renamed the flat-tensor collectives; 2.11 has only the old names.
@@ -130,20 +130,18 @@ class Comm:
         return self._launch(name, tensor, lambda g: dist.all_reduce(tensor, op=op, group=g, async_op=True))
 
     def _wired_reduce_scatter(self, output, input, name, w):
-        """[Note: quantized reductions] (comm/wire.py); a cast for fp32/bf16."""
-        from . import wire as wire_comm  # here: base is imported by every Comm, and the chain stays short
+        """[Note: quantized reductions] (comm/wire.py); a cast for fp32/bf16. The GradWire handed
+        in brings its own collectives, so no Comm imports comm/wire.py."""
         if w.bits is None:
             return self._cast(lambda o, i: self.reduce_scatter(o, i, name), output, input, w.dtype)
-        return self._launch(name, input, lambda g: wire_comm.reduce_scatter(output, input, g, self.rank,
-                                                                              self.world_size, w))
+        return self._launch(name, input, lambda g: w.reduce_scatter(output, input, g, self.rank, self.world_size))
 
     def _wired_all_reduce(self, tensor, name, across, w):
-        from . import wire as wire_comm
         if w.bits is None:
             return self._cast(lambda o, i: self.all_reduce(i, name=name), tensor, tensor, w.dtype)
         if across is not None and across is not tensor and self._is_my_range(tensor, across):
             return self._wired_reduce_scatter(across, tensor, name, w)
-        return self._launch(name, tensor, lambda g: wire_comm.all_reduce(tensor, g, self.rank, self.world_size, w),
+        return self._launch(name, tensor, lambda g: w.all_reduce(tensor, g, self.rank, self.world_size),
                             blocks=self.world_size > 2)
 
     def _is_my_range(self, tensor, part) -> bool:
@@ -155,7 +153,6 @@ class Comm:
     @staticmethod
     def _cast(run, output, input, dtype):
         """run(output, input) in `dtype`: the reduction of a copy, written back when waited for."""
-        from .wire import Finish
         if input.dtype == dtype and output.dtype == dtype:
             return run(output, input)
         i = input.to(dtype)

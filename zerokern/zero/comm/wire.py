@@ -59,7 +59,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ...kernels import wire
+from ...kernels import wire, wire_ops
+from .works import Finish, _Done
 
 # torch 2.14 renamed the flat-tensor all-gather; 2.11 has only the old name
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -138,6 +139,14 @@ class GradWire:
     def nbytes(self) -> int:
         return self.sent.nbytes() + self.summed.nbytes()
 
+    # --- the collectives (Comm launches them through the wire it is handed) ----
+
+    def reduce_scatter(self, output, input, group, rank: int, world: int):
+        return reduce_scatter(output, input, group, rank, world, self)
+
+    def all_reduce(self, tensor, group, rank: int, world: int):
+        return all_reduce(tensor, group, rank, world, self)
+
     # --- encoding --------------------------------------------------------------
 
     def sides(self, res: Residual, numel: int, device):
@@ -152,7 +161,6 @@ class GradWire:
     def encode(self, x: torch.Tensor, out: torch.Tensor, stream: int, offset: int, sides, lo: int, hi: int):
         """x[lo:hi] plus its residual into `out`, its error into the error buffer's [lo:hi] (sides:
         from sides() over x)."""
-        from ...kernels import wire_ops
         carried, error = sides
         wire_ops.encode_(x[lo:hi], out, self.bits, self.seed, self.count, stream, self.base + offset,
                          error=None if error is None else error[lo:hi],
@@ -186,30 +194,6 @@ def all_reduce_bytes(part, world: int, w: Optional[GradWire]) -> int:
     return n * size * 2 * (world - 1) // world
 
 
-class Finish:
-    """A launched collective whose result is written when it is waited for (decoded, summed)."""
-
-    def __init__(self, work, then):
-        self.work, self.then = work, then
-
-    def wait(self):
-        if self.then is not None:
-            self.work.wait()
-            then, self.then = self.then, None
-            then()
-        return True
-
-    def is_completed(self):
-        return self.then is None or self.work.is_completed()
-
-    def wait_for(self, seconds) -> bool:
-        from .works import finished
-        if self.then is None or finished(self.work, seconds):
-            self.wait()
-            return True
-        return False
-
-
 def _fp32_view(t: torch.Tensor) -> Optional[torch.Tensor]:
     """t flat, if a sum can be decoded straight into it (fp32, contiguous), else None."""
     return t.view(-1) if t.dtype == torch.float32 and t.is_contiguous() else None
@@ -230,7 +214,6 @@ def _decode_sum(recv, w: GradWire, chunk_bytes: int, n: int, world: int, rank: i
                 into: Optional[torch.Tensor] = None) -> torch.Tensor:
     """fp32 sum, in rank order, of the `world` chunks in recv (rank's own: `own`, exact), written
     into `into` (fp32, n) if given. [Note: the first term of a sum]"""
-    from ...kernels import wire_ops
     acc = torch.empty(n, dtype=torch.float32, device=recv.device) if into is None else into
     for r in range(world):
         if r == rank:
@@ -286,7 +269,6 @@ def all_reduce(tensor, group, rank: int, world: int, w: GradWire):
     """The quantized SUM all-reduce of `tensor`, in place ([Note: quantized reductions]). On 2
     ranks it is one all-gather, and the Work returned finishes it; on more it runs both phases
     before returning (the caller must say it blocks: comm/check.py never plans it)."""
-    from ...kernels import wire_ops
     n = tensor.numel()
     x = tensor.reshape(-1).contiguous()
     sides = w.sides(w.sent, n, x.device)
@@ -332,5 +314,4 @@ def all_reduce(tensor, group, rank: int, world: int, w: GradWire):
             wire_ops.decode_(gathered[r * chunk:r * chunk + wire.nbytes(hi - lo, w.bits)], hi - lo, w.bits, out)
             if into is None:
                 flat[lo:hi].copy_(out)
-    from .works import _Done
     return _Done()

@@ -1,6 +1,6 @@
 """The Work-likes every Comm hands back besides torch's, and the bounded wait they share. A leaf
-of comm/: the quantized collectives (wire.py) and the collective check use them without
-importing the Comm classes."""
+of comm/: the quantized collectives (wire.py), the quantized param gathers (params/wire_gather.py)
+and the collective check use them without importing the Comm classes."""
 
 import functools
 from datetime import timedelta
@@ -27,6 +27,29 @@ class _Done:
 
     def is_completed(self):
         return True
+
+
+class Finish:
+    """A launched collective whose result is written when it is waited for (decoded, summed)."""
+
+    def __init__(self, work, then):
+        self.work, self.then = work, then
+
+    def wait(self):
+        if self.then is not None:
+            self.work.wait()
+            then, self.then = self.then, None
+            then()
+        return True
+
+    def is_completed(self):
+        return self.then is None or self.work.is_completed()
+
+    def wait_for(self, seconds) -> bool:
+        if self.then is None or finished(self.work, seconds):
+            self.wait()
+            return True
+        return False
 
 
 @functools.lru_cache(maxsize=8)

@@ -58,6 +58,9 @@ def note_stale(flat, i: int) -> None:
 
 
 class LocalGrads:
+    def __init__(self, local: bool):
+        self.local = local  # .grad keeps this rank's local grad after backward (stage 1), not the average
+
     def make_buckets(self, flat, comm, strategy, reduce_precision=None):
         return [GradBucket(flat.layout, b, flat.dtype, flat.device, comm, flat.rank, strategy.reduce_scatters,
                            _bucket_name(flat, b), _wire(comm, reduce_precision, flat, b)) for b in flat.layout.buckets]
@@ -94,7 +97,10 @@ class LocalGrads:
     def after_backward(self, agreement) -> None:
         """[Note: overflow on any rank] at stage 1: if a reduced shard holds an inf/nan on some
         rank, an inf is written into a local grad on every rank, so every rank's GradScaler
-        (which reads local .grad) skips and backs off alike."""
+        (which reads local .grad) skips and backs off alike. At stage 0 .grad holds the average:
+        every rank's scaler sees the same values, and nothing is agreed."""
+        if not self.local:
+            return
         flag, _ = agreement.agreed_overflow()
         for s in agreement.stores:
             for i in s.bucket.plan.tensors:
@@ -106,7 +112,7 @@ class LocalGrads:
 
 def grad_path(strategy: Strategy):
     """The grad path of a dtype group, chosen once from the stage definition."""
-    return ReleasedGrads() if strategy.grads is GradMode.SCATTER_RELEASE else LocalGrads()
+    return ReleasedGrads() if strategy.grads is GradMode.SCATTER_RELEASE else LocalGrads(strategy.local_grads)
 
 
 class ReleasedGrads:

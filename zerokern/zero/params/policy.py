@@ -32,9 +32,6 @@ class WholeParams:
     # the model's whole state dict is a collective (every rank gathers; Trainer's and Accelerate's
     # save paths ask this, as they ask about FSDP and DeepSpeed ZeRO-3)
     state_dict_is_collective = False
-    # between gathers a rank holds only its slices of the params (stage 3 on several ranks), which
-    # OffloadPolicy(params=True) can keep on disk
-    slices_only = False
 
     def __init__(self, gathers_after_step: bool):
         self.gathers_after_step = gathers_after_step
@@ -75,6 +72,13 @@ class WholeParams:
         """The stage-3 runtime of the group, if any (None)."""
         return None
 
+    def check_offload(self, offload, comm) -> None:
+        """OffloadPolicy(params=True) keeps param shards on disk: whole params have none."""
+        if offload is not None and offload.params:
+            raise ValueError(f"zerokern: OffloadPolicy(params=True) puts stage 3's param shards on disk, but "
+                             f"with {comm.world_size} rank(s) every rank holds whole params: it needs stage 3 "
+                             "on 2 or more ranks (or params=False)")
+
     def holds_gathered(self, comm, precision) -> bool:
         """Do the model's params hold what quantized gathers gave rather than the masters? Then
         the stores keep an fp32 master apart from the param shard, the fp32 params' too
@@ -97,7 +101,6 @@ class WholeParams:
 
 class UnitShards(WholeParams):
     state_dict_is_collective = True
-    slices_only = True
 
     def __init__(self):
         super().__init__(gathers_after_step=False)
@@ -179,6 +182,9 @@ class UnitShards(WholeParams):
         self.runtime = joined(order, comm)  # the optimizer's units' runtime ([Note: one runtime per model])
         self.runtime.expect_order(order)
         return self.runtime
+
+    def check_offload(self, offload, comm) -> None:
+        """Stage 3's param shards may live on disk (OffloadPolicy(params=True))."""
 
     def holds_gathered(self, comm, precision) -> bool:
         return False  # the slices are exact; only the gathered copies, freed after use, are quantized

@@ -47,6 +47,7 @@ import zlib
 import torch
 
 from ...kernels import wire, wire_ops
+from ..comm.works import Finish
 
 BITS = {"int8": 8}
 _STREAM = 2  # the wire's streams: 0 and 1 are the grad reductions' (comm/wire.py)
@@ -91,7 +92,6 @@ class ParamWire:
         mine = data[self.rank * self.chunk:(self.rank + 1) * self.chunk]
         wire_ops.encode_(x, mine[:wire.nbytes(self.n, self.bits)], self.bits, 0, self.updates, _STREAM, self.base)
         work = comm.all_gather(data, mine, name=name)
-        from ..comm.wire import Finish  # here: at module level it would stack the imports 6 deep (test_layers.py)
         return Finish(work, lambda: self._decode(data, buf, add))
 
     def _decode(self, data, buf, add: bool) -> None:

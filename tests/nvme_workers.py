@@ -269,12 +269,12 @@ def same(xs, ys):
     return len(xs) == len(ys) and all(torch.equal(x, y) for x, y in zip(xs, ys))
 
 
-def zero_optimizer_matches_in_memory(rank, world, stage, dtype, path, inner, steps=4):
-    """ZeroOptimizer(inner) in memory and on disk: params and every state tensor (the step counts too)
-    bit for bit, after steps with a param without a grad; then each loads the in-memory one's
-    state dict and trains on alike."""
+def zero_optimizer_matches_in_memory(rank, world, stage, dtype, path, inner, steps=4, params=False):
+    """ZeroOptimizer(inner) in memory and on disk (params=True: stage 3's param shards too): params and
+    every state tensor (the step counts too) bit for bit, after steps with a param without a grad;
+    then each loads the in-memory one's state dict and trains on alike."""
     ref_model, ref_opt = build_zero_optimizer(dtype, stage, None, inner)
-    model, opt = build_zero_optimizer(dtype, stage, nvme(path), inner)
+    model, opt = build_zero_optimizer(dtype, stage, nvme(path, params=params), inner)
     train(ref_model, ref_opt, rank, world, 0, steps, skip_grad="layer" if stage != 3 else None)
     train(model, opt, rank, world, 0, steps, skip_grad="layer" if stage != 3 else None)
     params = same([s.param_shard() for s in ref_opt.stores], [s.param_shard() for s in opt.stores])
@@ -291,6 +291,7 @@ def zero_optimizer_matches_in_memory(rank, world, stage, dtype, path, inner, ste
             "streams": all(getattr(s, "streams", False) for s in opt.stores),
             "chunks": max(-(-s.n // s.swap.chunk) for s in opt.stores),
             "report": opt.memory_report(), "keys": opt.stores[0].state_keys,
+            "shards_in_file": all(in_mapping(s.param_shard(), s.swap) for s in opt.stores),
             "views_of_file": bool(on_disk) and all(t.untyped_storage().data_ptr() in files for t in on_disk),
             "loaded": same([s.param_shard() for s in ref_opt.stores], [s.param_shard() for s in opt.stores])
             and same(zero_optimizer_state(ref_opt), zero_optimizer_state(opt))}

@@ -240,6 +240,16 @@ def test_zero_optimizer_state_on_disk_trains_bit_for_bit_as_in_memory(tmp_path, 
         assert r["report"]["adam_state"] <= 4 * 6, r["report"]  # in memory: the step counts only
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_zero_optimizer_with_stage3_params_on_disk_trains_bit_for_bit_as_in_memory(tmp_path, dtype):
+    """OffloadPolicy(params=True): the param shards move at commit, and the inner optimizer's pieces
+    follow them (inner_stream re-points every piece at its store's master)."""
+    for r in dist_harness.values(dist_harness.run(W.zero_optimizer_matches_in_memory, 2, 3, dtype, str(tmp_path),
+                                                  "AdamW", 4, True)):
+        assert r["shards_in_file"] and r["streams"] and r["chunks"] >= 2, r
+        assert r["params"] and r["state"] and r["views_of_file"] and r["loaded"], r
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_zero_optimizer_io_error_on_one_rank_raises_on_every_rank_and_changes_nothing(tmp_path, stage):
     for rank, r in enumerate(dist_harness.values(dist_harness.run(W.zero_optimizer_io_error, 2, str(tmp_path), 1,

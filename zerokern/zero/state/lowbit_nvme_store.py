@@ -21,7 +21,6 @@ rank's stream() succeeded, commit(); nothing is changed before commit().
   [Note: reproducible rounding]); commit() copies staging to the params.
 """
 
-import concurrent.futures
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -29,7 +28,7 @@ import torch
 from ...kernels import lowbit
 from ..core.stage import OffloadPolicy, StatePolicy
 from .store import ShardStore
-from .swap import ALIGN, AlignedBuffer, NvmeOffloadError, SwapFile, open_swap
+from .swap import ALIGN, AlignedBuffer, NvmeOffloadError, SwapFile, open_swap, stream_chunks
 
 if TYPE_CHECKING:  # annotations only
     from ..unit import FlatParams
@@ -164,9 +163,6 @@ class LowBitNvmeStore(ShardStore):
         if grad.device.type != "cpu":
             grad = grad.to("cpu")  # the update runs on the CPU
         shard, src, dst = self._param_shard, self._slot, 1 - self._slot
-        count = -(-self.n // chunk)
-        reads: List[Optional[list]] = [None] * count
-        writes: List[Optional[list]] = [None] * len(ring)  # per buffer set: the writes from it in flight
 
         def io(op, c, bufs, slot):  # chunk c of every array: whole ALIGN blocks ([Note: low-bit chunks on disk])
             out = []
@@ -176,44 +172,23 @@ class LowBitNvmeStore(ShardStore):
                 out.append(op(buf, length // 4, self._offset(slot, key) + c * step))
             return out
 
-        def start_read(c):
-            k = c % len(ring)
-            if writes[k] is not None:  # the set's last chunk must be on disk before it is reused
-                for f in writes[k]:
-                    f.result()
-                writes[k] = None
-            reads[c] = io(swap.read, c, ring[k], src)
+        def update(c, bufs):
+            lo, hi = c * chunk, min((c + 1) * chunk, self.n)
+            bufs = {key: buf.tensor.view(self.arrays[key][0]) for key, buf in zip(keys, bufs)}
+            self.staging[lo:hi].copy_(shard[lo:hi])  # elements not updated keep their values
+            blocks = lowbit.num_blocks(hi - lo)
+            ms, vs = ((bufs["exp_avg_scale"][:blocks], bufs["exp_avg_sq_scale"][:blocks])
+                      if "exp_avg_scale" in bufs else (None, None))
+            if self.separate_master:
+                params, model = bufs["master"][:hi - lo], self.staging[lo:hi]
+            else:
+                params, model = self.staging[lo:hi], None
+            run(lo, hi, params, grad[lo:hi], bufs["exp_avg"][:hi - lo], bufs["exp_avg_sq"][:hi - lo], ms, vs, model)
 
         try:
-            for c in range(min(len(ring) - 1, count)):
-                start_read(c)
-            for c in range(count):
-                for f in reads[c]:
-                    f.result()
-                reads[c] = None
-                lo, hi = c * chunk, min((c + 1) * chunk, self.n)
-                bufs = {key: buf.tensor.view(self.arrays[key][0]) for key, buf in zip(keys, ring[c % len(ring)])}
-                self.staging[lo:hi].copy_(shard[lo:hi])  # elements not updated keep their values
-                blocks = lowbit.num_blocks(hi - lo)
-                ms, vs = ((bufs["exp_avg_scale"][:blocks], bufs["exp_avg_sq_scale"][:blocks])
-                          if "exp_avg_scale" in bufs else (None, None))
-                if self.separate_master:
-                    params, model = bufs["master"][:hi - lo], self.staging[lo:hi]
-                else:
-                    params, model = self.staging[lo:hi], None
-                run(lo, hi, params, grad[lo:hi], bufs["exp_avg"][:hi - lo], bufs["exp_avg_sq"][:hi - lo], ms, vs,
-                    model)
-                writes[c % len(ring)] = io(swap.write, c, ring[c % len(ring)], dst)
-                if c + len(ring) - 1 < count:  # into the set of chunk c - 1, once its writes are done
-                    start_read(c + len(ring) - 1)
-            for fs in writes:
-                for f in fs or ():
-                    f.result()
+            stream_chunks(ring, -(-self.n // chunk), lambda c, bufs: io(swap.read, c, bufs, src), update,
+                          lambda c, bufs: io(swap.write, c, bufs, dst))
         except NvmeOffloadError as e:
-            pending = [f for fs in reads + writes for f in fs or ()]
-            for f in pending:
-                f.cancel()
-            concurrent.futures.wait(pending)  # nothing runs on into the buffers after we return
             return f"rank {self.rank}: {e}"
         return None
 

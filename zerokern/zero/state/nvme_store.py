@@ -28,7 +28,7 @@ import torch
 
 from ..core.stage import OffloadPolicy
 from .store import ShardStore
-from .swap import ALIGN, NvmeOffloadError, SwapFile, open_swap, padded
+from .swap import ALIGN, NvmeOffloadError, SwapFile, open_swap, padded, stream_chunks
 
 if TYPE_CHECKING:  # annotations only
     from ..unit import FlatParams
@@ -191,52 +191,31 @@ class NvmeStore(ShardStore):
         if grad.device.type != "cpu":
             grad = grad.to("cpu")  # the update runs on the CPU
         shard, src, dst = self._param_shard, self._slot, 1 - self._slot
-        total = padded(self.n)
-        count = -(-total // chunk)
-        reads: List[Optional[list]] = [None] * count
-        writes: List[Optional[list]] = [None] * len(ring)  # per buffer set: the writes from it in flight
-
         io = self._io
 
-        def start_read(c):
-            k = c % len(ring)
-            if writes[k] is not None:  # the set's last chunk must be on disk before it is reused
-                for f in writes[k]:
-                    f.result()
-                writes[k] = None
-            reads[c] = [swap.read(buf, io(c, key)[0], self._offset(src, key) + io(c, key)[1])
-                        for buf, key in zip(ring[k], self.arrays)]
+        def read(c, bufs):
+            return [swap.read(buf, io(c, key)[0], self._offset(src, key) + io(c, key)[1])
+                    for buf, key in zip(bufs, self.arrays)]
+
+        def update(c, bufs):
+            lo, hi = c * chunk, min((c + 1) * chunk, self.n)
+            bufs = {key: buf.tensor.view(self._dtypes[key])[:hi - lo] for key, buf in zip(self.arrays, bufs)}
+            if self.params_on_disk:  # the chunk read holds the params: the update writes them there
+                model = bufs["param"]
+            else:
+                model = self.staging[lo:hi]
+                model.copy_(shard[lo:hi])  # elements not updated keep their values
+            master = bufs["master"] if self.separate_master else model
+            run(lo, hi, master, grad[lo:hi], *(bufs[k] for k in self.state_keys),
+                model if self.separate_master else None)
+
+        def write(c, bufs):
+            return [swap.write(buf, io(c, key)[0], self._offset(dst, key) + io(c, key)[1])
+                    for key, buf in zip(self.arrays, bufs)]
 
         try:
-            for c in range(min(len(ring) - 1, count)):
-                start_read(c)
-            for c in range(count):
-                for f in reads[c]:
-                    f.result()
-                reads[c] = None
-                lo, hi = c * chunk, min((c + 1) * chunk, self.n)
-                bufs = {key: buf.tensor.view(self._dtypes[key])[:hi - lo]
-                        for key, buf in zip(self.arrays, ring[c % len(ring)])}
-                if self.params_on_disk:  # the chunk read holds the params: the update writes them there
-                    model = bufs["param"]
-                else:
-                    model = self.staging[lo:hi]
-                    model.copy_(shard[lo:hi])  # elements not updated keep their values
-                master = bufs["master"] if self.separate_master else model
-                run(lo, hi, master, grad[lo:hi], *(bufs[k] for k in self.state_keys),
-                    model if self.separate_master else None)
-                writes[c % len(ring)] = [swap.write(buf, io(c, key)[0], self._offset(dst, key) + io(c, key)[1])
-                                         for key, buf in zip(self.arrays, ring[c % len(ring)])]
-                if c + len(ring) - 1 < count:  # into the set of chunk c - 1, once its writes (issued a chunk
-                    start_read(c + len(ring) - 1)  # ago, during this chunk's update) are done
-            for fs in writes:
-                for f in fs or ():
-                    f.result()
+            stream_chunks(ring, -(-padded(self.n) // chunk), read, update, write)
         except NvmeOffloadError as e:
-            pending = [f for fs in reads + writes for f in fs or ()]
-            for f in pending:
-                f.cancel()
-            concurrent.futures.wait(pending)  # nothing runs on into the buffers after we return
             return f"rank {self.rank}: {e}"
         return None
 

@@ -35,7 +35,7 @@ import sys
 import time
 import uuid
 import weakref
-from typing import Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -247,6 +247,45 @@ class SwapFile:
                 raise NvmeOffloadError(f"{op} of {total - done:,} bytes at byte {offset + done:,} of {self.path}: "
                                        "the file ended")
             done += got
+
+
+def stream_chunks(ring, count: int, read: Callable, update: Callable, write: Callable) -> None:
+    """The step's pipeline over `count` chunks ([Note: NVMe swap]), for both stores: chunk c uses the
+    buffer set ring[c % len(ring)]; read(c, bufs) and write(c, bufs) issue its I/O (lists of
+    futures), update(c, bufs) runs between them. Reads run len(ring) - 1 chunks ahead, and a set is
+    read into again only once the writes from it are done, so chunk c + 1 reads and chunk c - 1
+    writes while chunk c updates. An NvmeOffloadError cancels or waits for every outstanding I/O
+    (nothing runs on into the buffers after it returns) and propagates."""
+    reads: List[Optional[list]] = [None] * count
+    writes: List[Optional[list]] = [None] * len(ring)  # per buffer set: the writes from it in flight
+
+    def start_read(c):
+        k = c % len(ring)
+        for f in writes[k] or ():  # the set's last chunk must be on disk before it is reused
+            f.result()
+        writes[k] = None
+        reads[c] = read(c, ring[k])
+
+    try:
+        for c in range(min(len(ring) - 1, count)):
+            start_read(c)
+        for c in range(count):
+            for f in reads[c]:
+                f.result()
+            reads[c] = None
+            update(c, ring[c % len(ring)])
+            writes[c % len(ring)] = write(c, ring[c % len(ring)])
+            if c + len(ring) - 1 < count:  # into the set of chunk c - 1, once its writes (issued a chunk
+                start_read(c + len(ring) - 1)  # ago, during this chunk's update) are done
+        for fs in writes:
+            for f in fs or ():
+                f.result()
+    except NvmeOffloadError:
+        pending = [f for fs in reads + writes for f in fs or ()]
+        for f in pending:
+            f.cancel()
+        concurrent.futures.wait(pending)
+        raise
 
 
 def open_swap(swap_class, policy, nbytes: int, largest: int, comm, what: str) -> "SwapFile":

@@ -239,7 +239,8 @@ def render(p, marked=None, bandwidth_assumed=False):
         lines.append("offload applies from stage 1 on (ZeRO-Offload moves the sharded optimizer state); "
                      "stage 0 keeps it on the GPU")
     if nvme:
-        lines.append("nvme: disk = this GPU's shard of the state (fp32 moments, and fp32 masters of 16-bit params), "
+        lines.append(f"nvme: disk = this GPU's shard of the state ({p.state_precision} moments"
+                     + (", and fp32 masters of 16-bit params" if p.master_weights else ", no masters") + "), "
                      "read from one slot and written to the other every step (the file holds two slots); cpu = "
                      "host buffers: OffloadPolicy's defaults (4 buffers x 3 arrays x 16 MB) and one param shard"
                      + ("" if not timed else f"; disk time = disk / read + disk / write at {p.disk_rate[0]:.2f} / "

@@ -259,9 +259,9 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
                          "masters, fp16 ones need them")
     if offload_optimizer not in (None, "none", "cpu", "nvme"):
         raise ValueError(f"offload_optimizer must be 'cpu', 'nvme' or None, got {offload_optimizer!r}")
-    if offload_optimizer == "nvme" and (state_precision != "fp32" or not master_weights):
-        raise ValueError("offload_optimizer='nvme' keeps fp32 state with fp32 masters (low-bit state on disk is not "
-                         "offered yet)")
+    if offload_optimizer == "cpu" and state_precision != "fp32":
+        raise ValueError(f"offload_optimizer='cpu' with state_precision={state_precision!r} is not offered "
+                         "(OffloadPolicy(device='cpu') keeps fp32 state); 'nvme' takes low-bit state")
     offload = offload_optimizer in ("cpu", "nvme")
     traffic.check_precisions(reduce_precision, gather_precision)
     for name, v in (("dp", dp), ("tp", tp), ("pp", pp), ("micro_batches", micro_batches),

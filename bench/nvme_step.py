@@ -2,6 +2,7 @@
 O_DIRECT bandwidth on the same path, and against the same step with the state in memory.
 
     python bench/nvme_step.py --path /var/tmp --params 2e8 --rounds 3
+    python bench/nvme_step.py --optimizer zero-adamw   # ZeroOptimizer(torch.optim.AdamW), same bytes
 
 One process (zero_stage=1 on one rank: every param's state on this rank). Each round, interleaved:
 dd writes and reads a file of the step's size with O_DIRECT (the disk's read and write GB/s, one
@@ -27,7 +28,7 @@ import time
 
 import torch
 
-from zerokern import FusedZeroAdam, OffloadPolicy
+from zerokern import FusedZeroAdam, OffloadPolicy, ZeroOptimizer
 
 
 def dd(path, nbytes, block=16 << 20):
@@ -65,11 +66,14 @@ def fio_mixed(path, nbytes, seconds=6):
             os.unlink(name)
 
 
-def build(n, dtype, offload, tensors=8):
+def build(n, dtype, offload, optimizer="fused", tensors=8):
     torch.manual_seed(0)
     sizes = [n // tensors] * (tensors - 1) + [n - (n // tensors) * (tensors - 1)]
     params = [torch.nn.Parameter((torch.randn(s) * 0.02).to(dtype)) for s in sizes]
-    opt = FusedZeroAdam(params, lr=1e-3, weight_decay=0.01, zero_stage=1, offload=offload)
+    if optimizer == "fused":
+        opt = FusedZeroAdam(params, lr=1e-3, weight_decay=0.01, zero_stage=1, offload=offload)
+    else:  # the inner optimizer's state streamed ([Note: inner state on disk]): AdamW's two moments
+        opt = ZeroOptimizer(params, torch.optim.AdamW, lr=1e-3, weight_decay=0.01, zero_stage=1, offload=offload)
     weights = [torch.randn(s).to(dtype) for s in sizes]  # backward gives these as grads
     return params, opt, weights
 
@@ -91,6 +95,8 @@ def main():
     ap.add_argument("--chunk-mb", type=float, default=16.0)
     ap.add_argument("--buffers", type=int, default=4)
     ap.add_argument("--threads", type=int, default=4)
+    ap.add_argument("--optimizer", choices=["fused", "zero-adamw"], default="fused",
+                    help="FusedZeroAdam, or ZeroOptimizer(torch.optim.AdamW)")
     ap.add_argument("--json")
     args = ap.parse_args()
     n = int(args.params)
@@ -99,8 +105,8 @@ def main():
     moved = arrays * 4 * n  # each way
     policy = OffloadPolicy(device="nvme", path=args.path, chunk_mb=args.chunk_mb, buffer_count=args.buffers,
                            io_threads=args.threads)
-    mem = build(n, dtype, None)
-    disk = build(n, dtype, policy)
+    mem = build(n, dtype, None, args.optimizer)
+    disk = build(n, dtype, policy, args.optimizer)
     timed_step(*mem)  # first steps: allocations, the masters' first read
     timed_step(*disk)
     rows = []
@@ -124,7 +130,7 @@ def main():
     print(f"median of {args.rounds}: step on disk {med['step_on_disk_s']:.3f} s "
           f"({spread['step_on_disk_s'][0]:.3f}-{spread['step_on_disk_s'][1]:.3f}), in memory "
           f"{med['step_in_memory_s']:.3f} s, disk time {med['disk_time_s']:.3f} s: {med['pct_of_disk']:.0f}% of the "
-          f"disk's read+write bandwidth ({args.params:.0e} {args.dtype} params, {2 * moved / 1e9:.2f} GB moved a step)")
+          f"disk's read+write bandwidth ({args.optimizer}, {args.params:.0e} {args.dtype} params, {2 * moved / 1e9:.2f} GB moved a step)")
     print("memory_report:", {k: v for k, v in disk[1].memory_report().items()})
     if args.json:
         with open(args.json, "w") as f:

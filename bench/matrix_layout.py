@@ -52,6 +52,7 @@ def row(shapes, whole, world, cap_mb, cost, bytes_per_element=4, align=16):
     seconds = time.perf_counter() - t0
     extra = plan.layout.padded_numel - flat.padded_numel
     shard_max = max(b.shard_numel for b in plan.layout.buckets)
+    with_matrix = [b.padded_numel for b in plan.layout.buckets if any(plan.owners[i] is not None for i in b.tensors)]
     return {
         "world": world, "cost": cost, "cap_mb": cap_mb, "params": plan.numel,
         "plan_layout_padded": flat.padded_numel, "matrix_padded": plan.layout.padded_numel,
@@ -59,6 +60,7 @@ def row(shapes, whole, world, cap_mb, cost, bytes_per_element=4, align=16):
         "extra_pct": 100.0 * extra / flat.padded_numel,
         "buckets": len(plan.layout.buckets), "plan_layout_buckets": len(flat.buckets),
         "largest_bucket_mb": shard_max * world * bytes_per_element / 2**20,
+        "largest_matrix_bucket_mb": max(with_matrix) * bytes_per_element / 2**20,
         "balance": plan.balance, "plan_s": seconds,
     }
 
@@ -79,10 +81,10 @@ def main(argv=None):
             rows.append(row(shapes, range(len(shapes)), world, cap_mb, "adafactor"))
     print(f"GPT {args.layers} layers, d={args.d}, fp32 (4 bytes/element), align 16; python {platform.python_version()}")
     head = ("world", "cost", "cap_mb", "params", "plan_layout_padded", "matrix_padded", "extra_bytes", "extra_pct",
-            "buckets", "plan_layout_buckets", "largest_bucket_mb", "balance", "plan_s")
-    print(" ".join(f"{h:>18}" for h in head))
+            "buckets", "plan_layout_buckets", "largest_bucket_mb", "largest_matrix_bucket_mb", "balance", "plan_s")
+    print(",".join(head))
     for r in rows:
-        print(" ".join(f"{r[h]:>18.4f}" if isinstance(r[h], float) else f"{r[h]:>18}" for h in head))
+        print(",".join(f"{r[h]:.4f}" if isinstance(r[h], float) else f"{r[h]}" for h in head))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"argv": sys.argv[1:], "rows": rows}, f, indent=1)

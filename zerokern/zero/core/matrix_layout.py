@@ -41,9 +41,12 @@ each run of at most k tensors packed once: O(n k) packings) to minimise the tota
 to fewer buckets. A run may take up to max(bucket_cap, world_size x its largest matrix)
 elements of matrices, and as many of other tensors (so that the element-wise tensors between
 them can ride along, though they push the shard past the largest matrix); a lone tensor any.
-A bucket with no matrix takes up to bucket_cap, as plan_layout's. So a run is cut where its matrices tile the shards (a GPT layer's
-4, 4, 1 and 3 units of d x d tile 4 shards of 4 once the next layer's first matrix joins it),
-not where bucket_cap falls.
+A bucket with no matrix takes up to bucket_cap, as plan_layout's. So a run is cut where its
+matrices tile the shards (a GPT layer's 4, 4, 1 and 3 units of d x d tile 4 shards of 4 once
+the next layer's first matrix joins it), not where bucket_cap falls. The cost of taking the
+fewest bytes: a tensor much larger than the others (a tied embedding under Adafactor) makes a
+limit that the whole model fits in, and the cut that fills its padding is one bucket: no
+overlap, and the full gradient buffer held until backward ends (docs/matrix_optimizers.md).
 
 [Note: a matrix larger than a rank's share] Two cases, neither splits a matrix (a partial
 slot) nor runs its optimizer on two ranks:

@@ -6,6 +6,7 @@ time is reported for what it is).
 
     PYTHONPATH=. python bench/matrix_layout.py                       # 12-layer GPT, d=768, 2 and 4 ranks
     PYTHONPATH=. python bench/matrix_layout.py --worlds 2 4 8 --cap-mb 25 --json out.json
+    PYTHONPATH=. python bench/matrix_layout.py --model llama-70b --costs muon --span 1 3 --worlds 4 8
 
 The GPT is nanoGPT's (tied embedding and head, nn.Linear weights as (out, in)); gradient order is
 the reverse of registration order, as zerokern's units lay params out ([Note: bucket order] in
@@ -42,19 +43,39 @@ def gpt_shapes(layers=12, d=768, vocab=50257, ctx=1024):
     return names, shapes, muon
 
 
-def row(shapes, whole, world, cap_mb, cost, bytes_per_element=4, align=16):
+def llama_shapes(layers=80, d=8192, ffn=28672, kv=1024, vocab=32000):
+    """(names, shapes, muon) of a Llama (no biases, RMSNorm, grouped-query attention, gated MLP,
+    untied embedding and head; Llama-70B by default), as gpt_shapes."""
+    reg = [("embed.weight", (vocab, d))]
+    for k in range(layers):
+        h = f"layers.{k}."
+        reg += [(h + "input_norm.weight", (d,)), (h + "q.weight", (d, d)), (h + "k.weight", (kv, d)),
+                (h + "v.weight", (kv, d)), (h + "o.weight", (d, d)), (h + "post_norm.weight", (d,)),
+                (h + "gate.weight", (ffn, d)), (h + "up.weight", (ffn, d)), (h + "down.weight", (d, ffn))]
+    reg += [("norm.weight", (d,)), ("head.weight", (vocab, d))]
+    reg.reverse()
+    names, shapes = [n for n, _ in reg], [s for _, s in reg]
+    muon = [i for i, (n, s) in enumerate(reg) if len(s) == 2 and n.startswith("layers.")]
+    return names, shapes, muon
+
+
+MODELS = {"gpt": lambda: gpt_shapes(12, 768), "llama-7b": lambda: llama_shapes(32, 4096, 11008, 1024),
+          "llama-70b": lambda: llama_shapes()}
+
+
+def row(shapes, whole, world, cap_mb, cost, bytes_per_element=4, align=16, span=1):
     """One result: the matrix layout against plan_layout on the same tensors."""
     cap = int(cap_mb * 2**20 // bytes_per_element)
     numels = [math.prod(s) for s in shapes]
     flat = plan_layout(numels, world, cap, align)
     t0 = time.perf_counter()
-    plan = plan_matrix_layout(shapes, whole, world, cap, align, cost)
+    plan = plan_matrix_layout(shapes, whole, world, cap, align, cost, span=span)
     seconds = time.perf_counter() - t0
     extra = plan.layout.padded_numel - flat.padded_numel
     shard_max = max(b.shard_numel for b in plan.layout.buckets)
     with_matrix = [b.padded_numel for b in plan.layout.buckets if any(plan.owners[i] is not None for i in b.tensors)]
     return {
-        "world": world, "cost": cost, "cap_mb": cap_mb, "params": plan.numel,
+        "world": world, "cost": cost, "cap_mb": cap_mb, "span": span, "params": plan.numel,
         "plan_layout_padded": flat.padded_numel, "matrix_padded": plan.layout.padded_numel,
         "extra_elements": extra, "extra_bytes": extra * bytes_per_element,
         "extra_pct": 100.0 * extra / flat.padded_numel,
@@ -67,21 +88,26 @@ def row(shapes, whole, world, cap_mb, cost, bytes_per_element=4, align=16):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--d", type=int, default=768)
+    ap.add_argument("--model", choices=sorted(MODELS), default="gpt",
+                    help="gpt: 12 layers, d=768 (the issue's); llama-7b (with grouped-query attention), llama-70b")
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--cap-mb", type=float, nargs="+", default=[25.0])
+    ap.add_argument("--span", type=int, nargs="+", default=[1])
+    ap.add_argument("--costs", nargs="+", default=["muon", "adafactor"], choices=["muon", "adafactor"],
+                    help="muon: on the hidden 2-D weights; adafactor: on every tensor (torch's reads each whole)")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args(argv)
-    names, shapes, muon = gpt_shapes(args.layers, args.d)
+    names, shapes, muon = MODELS[args.model]()
     rows = []
     for cap_mb in args.cap_mb:
-        for world in args.worlds:
-            rows.append(row(shapes, muon, world, cap_mb, "muon"))
-            rows.append(row(shapes, range(len(shapes)), world, cap_mb, "adafactor"))
-    print(f"GPT {args.layers} layers, d={args.d}, fp32 (4 bytes/element), align 16; python {platform.python_version()}")
-    head = ("world", "cost", "cap_mb", "params", "plan_layout_padded", "matrix_padded", "extra_bytes", "extra_pct",
-            "buckets", "plan_layout_buckets", "largest_bucket_mb", "largest_matrix_bucket_mb", "balance", "plan_s")
+        for span in args.span:
+            for world in args.worlds:
+                for cost in args.costs:
+                    rows.append(row(shapes, muon if cost == "muon" else range(len(shapes)), world, cap_mb, cost,
+                                    span=span))
+    print(f"{args.model}, fp32 (4 bytes/element), align 16; python {platform.python_version()}")
+    head = ("world", "cost", "cap_mb", "span", "params", "plan_layout_padded", "matrix_padded", "extra_bytes",
+            "extra_pct", "buckets", "plan_layout_buckets", "largest_bucket_mb", "largest_matrix_bucket_mb", "balance", "plan_s")
     print(",".join(head))
     for r in rows:
         print(",".join(f"{r[h]:.4f}" if isinstance(r[h], float) else f"{r[h]}" for h in head))

@@ -18,12 +18,12 @@ from zerokern.zero.core.matrix_layout import matrix_cost, plan_matrix_layout
 from zerokern.zero.params.storage import FlatBuffers
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-from matrix_layout import gpt_shapes  # noqa: E402
+from matrix_layout import gpt_shapes, llama_shapes  # noqa: E402
 
 MB = 2**20 // 4  # fp32 elements in a MB
 
 
-def check(plan, shapes, matrices, world, cap, align, breaks=(), cost="muon"):
+def check(plan, shapes, matrices, world, cap, align, breaks=(), cost="muon", span=1):
     """Every property the module docstring promises, read back from the FlatLayout alone."""
     layout, numels = plan.layout, [math.prod(s) for s in shapes]
     matrices = set(matrices)
@@ -55,7 +55,7 @@ def check(plan, shapes, matrices, world, cap, align, breaks=(), cost="muon"):
         if len(run) > 1:
             sizes = lambda ts: sum(-(-numels[i] // align) * align for i in ts)  # noqa: E731
             if mats:
-                limit = max(cap, world * max(sizes([i]) for i in mats))
+                limit = max(cap, span * world * max(sizes([i]) for i in mats))
                 assert max(sizes(mats), sizes(set(run) - set(mats))) <= limit, "only a lone tensor may pass the limit"
             else:
                 assert b.numel <= cap, "only a lone tensor may exceed the cap"
@@ -87,13 +87,14 @@ shape = st.one_of(st.tuples(st.integers(0, 300)), st.tuples(dims, dims), st.tupl
 
 @settings(max_examples=250, deadline=None)
 @given(shapes=st.lists(shape, min_size=1, max_size=30), data=st.data(), world=st.integers(1, 8),
-       cap=st.integers(1, 4000), align=st.sampled_from([1, 4, 16]), cost=st.sampled_from(["muon", "adafactor"]))
-def test_plan_properties(shapes, data, world, cap, align, cost):
+       cap=st.integers(1, 4000), align=st.sampled_from([1, 4, 16]), cost=st.sampled_from(["muon", "adafactor"]),
+       span=st.integers(1, 3))
+def test_plan_properties(shapes, data, world, cap, align, cost, span):
     ok = [i for i, s in enumerate(shapes) if math.prod(s) > 0 and (cost == "adafactor" or len(s) == 2)]
     matrices = data.draw(st.lists(st.sampled_from(ok), unique=True) if ok else st.just([]))
     breaks = data.draw(st.lists(st.integers(0, len(shapes) - 1), max_size=3))
-    plan = plan_matrix_layout(shapes, matrices, world, cap, align, cost, breaks)
-    check(plan, shapes, matrices, world, cap, align, breaks, cost)
+    plan = plan_matrix_layout(shapes, matrices, world, cap, align, cost, breaks, span=span)
+    check(plan, shapes, matrices, world, cap, align, breaks, cost, span)
 
 
 def test_no_matrix_is_plan_layout():
@@ -118,6 +119,16 @@ def test_gpt_padding_and_balance(world):
     assert plan.layout.padded_numel <= 1.05 * flat.padded_numel
     assert plan.balance <= 1.15
     assert sum(len(plan.owned(r)) for r in range(world)) == 48
+
+
+def test_a_larger_span_tiles_what_one_run_cannot():
+    """A small Llama (MLP matrices 224 x 64, attention 64 x 64 and 16 x 64): on 2 ranks a run of
+    2 x its largest matrix leaves padding, runs twice as long tile the shards (span=2)."""
+    names, shapes, muon = llama_shapes(6, 64, 224, 16, 100)
+    plans = [plan_matrix_layout(shapes, muon, 2, 1000, 16, names=names, span=span) for span in (1, 2)]
+    for span, plan in zip((1, 2), plans):
+        check(plan, shapes, muon, 2, 1000, 16, span=span)
+    assert plans[0].padding_numel > 0 and plans[1].padding_numel == 0
 
 
 def test_matrix_larger_than_a_shard_sets_it_and_neighbours_fill_the_rest():
@@ -210,6 +221,9 @@ def test_bad_arguments():
         plan_matrix_layout([(4, 4)], [0], 0, 64)
     with pytest.raises(ValueError, match="bucket_cap must be >= 1"):
         plan_matrix_layout([(4, 4)], [0], 2, 0)
+    for span in (0, 1.5, True):
+        with pytest.raises(ValueError, match="span must be an int >= 1"):
+            plan_matrix_layout([(4, 4)], [0], 2, 64, span=span)
 
 
 def test_flat_buffers_hold_each_matrix_whole_in_its_owners_shard():

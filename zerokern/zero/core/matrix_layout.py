@@ -38,8 +38,8 @@ bucket with no matrix is laid out as plan_layout lays it out (tensors may cross 
 and Johnson 1978: at most 13/11 of the best shard, plus the bisection's last step). Where the
 runs are cut is chosen over all cut points at once (dynamic programming over the n tensors,
 each run of at most k tensors packed once: O(n k) packings) to minimise the total padding, ties
-to fewer buckets. A run may take up to max(bucket_cap, world_size x its largest matrix)
-elements of matrices, and as many of other tensors (so that the element-wise tensors between
+to fewer buckets. A run may take up to max(bucket_cap, span x world_size x its largest matrix)
+elements of matrices (span = 1 unless given), and as many of other tensors (so that the element-wise tensors between
 them can ride along, though they push the shard past the largest matrix); a lone tensor any.
 A bucket with no matrix takes up to bucket_cap, as plan_layout's. So a run is cut where its
 matrices tile the shards (a GPT layer's 4, 4, 1 and 3 units of d x d tile 4 shards of 4 once
@@ -47,6 +47,10 @@ the next layer's first matrix joins it), not where bucket_cap falls. The cost of
 fewest bytes: a tensor much larger than the others (a tied embedding under Adafactor) makes a
 limit that the whole model fits in, and the cut that fills its padding is one bucket: no
 overlap, and the full gradient buffer held until backward ends (docs/matrix_optimizers.md).
+Where a model's matrices do not tile world_size shards within one run (Llama-70B's three 28672
+x 8192 MLP matrices and its attention's 151M elements: 9.5% more padding than plan_layout on 4
+ranks at span 1), a larger span lets runs of two or three layers tile (0% at span 3), for
+buckets that much larger and a plan that takes seconds (bench/matrix_layout.py --model).
 
 [Note: a matrix larger than a rank's share] Two cases, neither splits a matrix (a partial
 slot) nor runs its optimizer on two ranks:
@@ -138,14 +142,18 @@ class MatrixLayout:
 
 def plan_matrix_layout(shapes: Sequence[Sequence[int]], matrices: Iterable[int], world_size: int, bucket_cap: int,
                        align: int = 16, cost: str = "muon", breaks: Sequence[int] = (),
-                       names: Optional[Sequence[str]] = None) -> MatrixLayout:
+                       names: Optional[Sequence[str]] = None, span: int = 1) -> MatrixLayout:
     """Buckets for tensors of `shapes` (in gradient order) in which each tensor of `matrices` lies
-    whole in one rank's shard (module docstring). names: the tensors' names, for the errors."""
+    whole in one rank's shard (module docstring). names: the tensors' names, for the errors.
+    span: a bucket may hold up to span x world_size x its largest matrix ([Note: cutting the
+    buckets]): larger buckets, less padding, a longer plan."""
     shapes = [tuple(s) for s in shapes]
     numels = [math.prod(s) for s in shapes]
     plan_layout(numels, world_size, bucket_cap, align, breaks)  # its checks of the common arguments
     if cost not in COSTS:
         raise ValueError(f"cost must be one of {COSTS}, got {cost!r}")
+    if isinstance(span, bool) or not isinstance(span, int) or span < 1:
+        raise ValueError(f"span must be an int >= 1, got {span!r}")
     if names is not None and len(names) != len(shapes):
         raise ValueError(f"{len(names)} names for {len(shapes)} shapes")
     name = (lambda i: f"tensor {i} ({names[i]!r})") if names is not None else (lambda i: f"tensor {i}")  # noqa: E731
@@ -167,7 +175,7 @@ def plan_matrix_layout(shapes: Sequence[Sequence[int]], matrices: Iterable[int],
         return MatrixLayout(plan_layout(numels, world_size, bucket_cap, align, breaks), (None,) * len(shapes), costs,
                             sum(numels))
     sizes = [_round_up(n, align) for n in numels]
-    runs = _cut(numels, sizes, whole, world_size, bucket_cap, align, set(breaks))
+    runs = _cut(numels, sizes, whole, world_size, bucket_cap, align, set(breaks), span)
     slots: List[Optional[Slot]] = [None] * len(shapes)
     owners: List[Optional[int]] = [None] * len(shapes)
     buckets: List[Bucket] = []
@@ -250,11 +258,11 @@ def _multifit(sizes, members, world_size, align):
     return hi, bins
 
 
-def _cut(numels, sizes, whole, world_size, bucket_cap, align, breaks):
+def _cut(numels, sizes, whole, world_size, bucket_cap, align, breaks, span):
     """The runs [lo, hi) of consecutive tensors that make the buckets: [Note: cutting the buckets].
     Minimises the buckets' summed padded size (the tensors' elements are the same in every cut)."""
     n = len(sizes)
-    reach = max(bucket_cap, world_size * max(s for s, w in zip(sizes, whole) if w))  # no allowed run is longer
+    reach = max(bucket_cap, span * world_size * max(s for s, w in zip(sizes, whole) if w))  # no run is longer
     best: List[Optional[Tuple[int, int]]] = [(0, 0)] + [None] * n  # (padded, buckets): best cut of tensors 0..hi-1
     start = [0] * (n + 1)
     for hi in range(1, n + 1):
@@ -270,7 +278,7 @@ def _cut(numels, sizes, whole, world_size, bucket_cap, align, breaks):
             if lo < hi - 1 and max(matrix, other) > reach:
                 break
             end = matrix + other - sizes[hi - 1] + numels[hi - 1]  # plan_layout's end: the last one unaligned
-            over = max(matrix, other) > max(bucket_cap, world_size * largest) if largest else end > bucket_cap
+            over = max(matrix, other) > max(bucket_cap, span * world_size * largest) if largest else end > bucket_cap
             if lo < hi - 1 and over:
                 continue
             if largest:

@@ -154,33 +154,17 @@ def plan_matrix_layout(shapes: Sequence[Sequence[int]], matrices: Iterable[int],
         raise ValueError(f"cost must be one of {COSTS}, got {cost!r}")
     if isinstance(span, bool) or not isinstance(span, int) or span < 1:
         raise ValueError(f"span must be an int >= 1, got {span!r}")
-    if names is not None and len(names) != len(shapes):
-        raise ValueError(f"{len(names)} names for {len(shapes)} shapes")
-    name = (lambda i: f"tensor {i} ({names[i]!r})") if names is not None else (lambda i: f"tensor {i}")  # noqa: E731
-    whole = [False] * len(shapes)
-    for i in matrices:
-        if not isinstance(i, int) or not 0 <= i < len(shapes):
-            raise ValueError(f"matrices holds {i!r}, not the index of one of the {len(shapes)} tensors")
-        if whole[i]:
-            raise ValueError(f"matrices names {name(i)} twice")
-        if cost == "muon" and len(shapes[i]) != 2:
-            raise ValueError(f"{name(i)} has shape {list(shapes[i])}: a Muon param group takes 2-D tensors only "
-                             "(torch.optim.Muon refuses others); put it in the element-wise (AdamW) group")
-        if numels[i] == 0:
-            raise ValueError(f"{name(i)} has shape {list(shapes[i])}, no elements: a matrix optimizer would give it "
-                             "no update (a param not materialised yet?)")
-        whole[i] = True
+    whole = _whole(shapes, numels, matrices, cost, names)
     costs = tuple(matrix_cost(cost, s) if w else 0 for s, w in zip(shapes, whole))
     if not any(whole):
         return MatrixLayout(plan_layout(numels, world_size, bucket_cap, align, breaks), (None,) * len(shapes), costs,
                             sum(numels))
     sizes = [_round_up(n, align) for n in numels]
-    runs = _cut(numels, sizes, whole, world_size, bucket_cap, align, set(breaks), span)
     slots: List[Optional[Slot]] = [None] * len(shapes)
     owners: List[Optional[int]] = [None] * len(shapes)
     buckets: List[Bucket] = []
-    loads = [0] * world_size
-    for lo, hi in runs:
+    loads = [0] * world_size  # [Note: balancing the owners]: carried across buckets
+    for lo, hi in _cut(numels, sizes, whole, world_size, bucket_cap, align, set(breaks), span):
         b = len(buckets)
         if not any(whole[lo:hi]):
             offsets, end, padded = _flat(numels, lo, hi, world_size, align)
@@ -189,7 +173,7 @@ def plan_matrix_layout(shapes: Sequence[Sequence[int]], matrices: Iterable[int],
             buckets.append(Bucket(b, tuple(range(lo, hi)), end, padded, padded // world_size))
             continue
         shard, bins = _multifit(sizes, range(lo, hi), world_size, align)
-        # [Note: balancing the owners]: the costliest shard to the least loaded rank
+        # the costliest shard to the least loaded rank, the next to the next, ...
         bin_cost = [sum(costs[i] for i in members) for members in bins]
         by_cost = sorted(range(world_size), key=lambda k: (-bin_cost[k], min(bins[k], default=len(shapes))))
         by_load = sorted(range(world_size), key=lambda r: (loads[r], r))
@@ -206,6 +190,28 @@ def plan_matrix_layout(shapes: Sequence[Sequence[int]], matrices: Iterable[int],
         buckets.append(Bucket(b, members, end, shard * world_size, shard))
     layout = FlatLayout(world_size, align, tuple(slots), tuple(buckets))
     return MatrixLayout(layout, tuple(owners), costs, sum(numels))
+
+
+def _whole(shapes, numels, matrices, cost, names) -> List[bool]:
+    """Per tensor, whether it is one of `matrices`: checked, naming the culprit ([Note: which
+    tensors are whole])."""
+    if names is not None and len(names) != len(shapes):
+        raise ValueError(f"{len(names)} names for {len(shapes)} shapes")
+    name = (lambda i: f"tensor {i} ({names[i]!r})") if names is not None else (lambda i: f"tensor {i}")  # noqa: E731
+    whole = [False] * len(shapes)
+    for i in matrices:
+        if not isinstance(i, int) or not 0 <= i < len(shapes):
+            raise ValueError(f"matrices holds {i!r}, not the index of one of the {len(shapes)} tensors")
+        if whole[i]:
+            raise ValueError(f"matrices names {name(i)} twice")
+        if cost == "muon" and len(shapes[i]) != 2:
+            raise ValueError(f"{name(i)} has shape {list(shapes[i])}: a Muon param group takes 2-D tensors only "
+                             "(torch.optim.Muon refuses others); put it in the element-wise (AdamW) group")
+        if numels[i] == 0:
+            raise ValueError(f"{name(i)} has shape {list(shapes[i])}, no elements: a matrix optimizer would give it "
+                             "no update (a param not materialised yet?)")
+        whole[i] = True
+    return whole
 
 
 def _flat(numels, lo, hi, world_size, align):

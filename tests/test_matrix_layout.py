@@ -131,6 +131,18 @@ def test_a_larger_span_tiles_what_one_run_cannot():
     assert plans[0].padding_numel > 0 and plans[1].padding_numel == 0
 
 
+def test_loads_are_carried_across_buckets():
+    """Four buckets (breaks), each a 32 x 32 and an 8 x 8 matrix on 2 ranks: bucket by bucket the
+    costly shard goes to the rank that has less so far, so the 32 x 32s alternate and the loads end
+    equal (each bucket alone would give its costly shard to rank 0)."""
+    shapes = [(32, 32), (8, 8)] * 4
+    plan = plan_matrix_layout(shapes, range(8), 2, 64, 16, breaks=[2, 4, 6])
+    check(plan, shapes, range(8), 2, 64, 16, breaks=[2, 4, 6])
+    assert len(plan.layout.buckets) == 4
+    assert [plan.owners[i] for i in (0, 2, 4, 6)] == [0, 1, 0, 1]
+    assert plan.balance == 1.0
+
+
 def test_matrix_larger_than_a_shard_sets_it_and_neighbours_fill_the_rest():
     """[Note: a matrix larger than a rank's share], first case: a 64 x 64 matrix (4096) against a
     cap of 1024 on 4 ranks (256 a shard): its bucket's shard is the matrix, and the three other

@@ -72,11 +72,11 @@ def make_initial_state(inner, params):
         del inner._init_group
 
 
-def late_keys(optimizer_class, kwargs, group, device):
+def late_keys(optimizer_class, kwargs, group, device, shape=(2,)):
     """{key: 0-dim template, None (a per-element tensor) or the value's type (not a tensor)} of the
     state that optimizer_class, with this param group's keys, makes in a param's first update and
-    not before it."""
-    x = torch.zeros(2, device=device)
+    not before it. shape: the throwaway param's (2-D for an optimizer that takes matrices only)."""
+    x = torch.zeros(shape, device=device)
     probe = optimizer_class([{**_param_keys(group), "params": [x]}], **kwargs)
     make_initial_state(probe, [x])
     before = set(probe.state.get(x, {}))
@@ -93,14 +93,15 @@ def late_keys(optimizer_class, kwargs, group, device):
     return late
 
 
-def element_keys(optimizer_class, kwargs, groups):
+def element_keys(optimizer_class, kwargs, groups, shape=(2,)):
     """{key: dtype} of the per-element state (tensors of the param's shape: Adam's moments, SGD's
     momentum_buffer) that optimizer_class makes for a param of any of these param groups, in the
     order it makes them: found, as late_keys, by a throwaway instance stepped once on 2 elements.
-    OffloadPolicy(device="nvme") keeps the fp32 ones on disk (optim/inner_stream.py)."""
+    OffloadPolicy(device="nvme") keeps the fp32 ones on disk (optim/inner_stream.py). shape: as
+    late_keys'."""
     keys = {}
     for group in groups:
-        x = torch.zeros(2)
+        x = torch.zeros(shape)
         probe = optimizer_class([{**_param_keys(group), "params": [x]}], **kwargs)
         make_initial_state(probe, [x])
         x.grad = torch.full_like(x, 0.5)

@@ -13,7 +13,8 @@ element's update depends on that element's grad and state only: SGD, Adam, AdamW
 RMSprop, ...) the pieces together give exactly the numbers of the same optimizer on whole
 params. One that reads whole tensors (Adafactor's row and column statistics, LAMB's trust ratio,
 LBFGS, Muon's orthogonalised matrices) would not, and is refused, with the reason for the ones
-torch ships (_WHOLE_TENSOR), also when vouched for with elementwise=True.
+torch ships (_WHOLE_TENSOR), also when vouched for with elementwise=True; but Muon runs on one
+process, where every piece is a whole param ([Note: whole matrices on one process]).
 
 State: the inner optimizer's, per piece (every trainable param has a piece on every rank, an
 empty one where the rank holds none of its elements), made at construction as the first step
@@ -32,11 +33,13 @@ state in self.state[p] as views of the file ([Note: inner state on disk] in opti
 """
 
 import torch
+import torch.distributed as dist
 
 from . import inner_state, wire_checkpoint
 from .inner_stream import InnerStream
 from . import state_dict as checkpoint
 from ..zero.engine import ZeroEngine
+from ..zero.unit import unit_of
 from .engine_optimizer import EngineOptimizer
 from .zero_setup import validated_groups
 
@@ -53,6 +56,14 @@ _WHOLE_TENSOR = {
     "LBFGS": "takes its steps along directions built from every param's whole gradient (and re-evaluates the "
              "loss)",
 }
+# [Note: whole matrices on one process] Of the whole-tensor classes, Muon runs where every param
+# is whole on the rank that steps it: on one process (a group of one) each rank's piece of a param
+# is the whole param, so the inner optimizer gets it in the param's shape, a view of the fp32
+# master, and its own code (momentum, Newton-Schulz, adjust_lr_fn, weight decay) gives the numbers
+# torch.optim.Muon gives, bit for bit. On several processes it needs the matrix-whole layout
+# (zero/core/matrix_layout.py; docs/matrix_optimizers.md), not wired into the units yet, so it is
+# refused there before anything is built. Not on disk either: InnerStream steps chunks of pieces.
+_WHOLE_MATRIX = ("Muon",)
 _SHARDING = ("zero_stage", "process_group", "bucket_cap_mb", "overlap_comm", "offload", "overlap_param_gather",
              "mesh", "reduce_precision", "gather_precision")
 
@@ -72,12 +83,14 @@ class ZeroOptimizer(EngineOptimizer):
             raise TypeError(f"ZeroOptimizer: optimizer_class must be a torch.optim.Optimizer class, got "
                             f"{optimizer_class!r}")
         why = _WHOLE_TENSOR.get(optimizer_class.__name__) if optimizer_class.__module__.startswith("torch.") else None
-        if why is not None:
+        # [Note: whole matrices on one process]
+        self._whole = why is not None and optimizer_class.__name__ in _WHOLE_MATRIX
+        if why is not None and not self._whole:
             raise ValueError(
                 f"ZeroOptimizer: {optimizer_class.__name__} {why}, so it cannot run on each rank's shards, whatever "
                 "elementwise= says. Train it without ZeroOptimizer (plain DDP), or use an elementwise optimizer "
                 "(SGD, Adam, AdamW, Adagrad, RMSprop, ...)")
-        if not (elementwise or optimizer_class in _ELEMENTWISE):
+        if not (elementwise or optimizer_class in _ELEMENTWISE or self._whole):
             raise ValueError(
                 f"ZeroOptimizer: {optimizer_class.__name__} is not known to update each element on its own "
                 "(Adafactor and LAMB-style optimizers read whole tensors: row/column statistics, trust ratios), so "
@@ -90,8 +103,10 @@ class ZeroOptimizer(EngineOptimizer):
         self.optimizer_class, self.max_grad_norm = optimizer_class, max_grad_norm
         # the inner class's own defaults (and its checks of them), read from a throwaway instance
         # on a slice as the inner optimizer will see them: flat, 1-D, fp32
+        probe = (1, 1) if self._whole else (1,)  # a 2-D one for Muon, which takes no other
+        self._probe_shape = (2, 2) if self._whole else (2,)  # inner_state's throwaway instances' param
         try:
-            defaults = optimizer_class([torch.zeros(1, requires_grad=True)], **kwargs).defaults
+            defaults = optimizer_class([torch.zeros(probe, requires_grad=True)], **kwargs).defaults
         except (ValueError, RuntimeError, TypeError) as e:
             if optimizer_class in _ELEMENTWISE:
                 raise  # its own check of the options (lr=-1, ...): torch's message says it
@@ -105,8 +120,10 @@ class ZeroOptimizer(EngineOptimizer):
         super().__init__(validated_groups(params), defaults)
         self._constructing = False
         names = {p: n for g in self.param_groups for p, n in zip(g["params"], g.get("param_names", ()))}
+        if self._whole:
+            _check_whole_matrices(optimizer_class, why, self.param_groups, names, sharding)
         # the inner optimizer's per-element state: what OffloadPolicy(device="nvme") keeps on disk
-        elements = inner_state.element_keys(optimizer_class, kwargs, self.param_groups)
+        elements = inner_state.element_keys(optimizer_class, kwargs, self.param_groups, self._probe_shape)
         self.engine = ZeroEngine(self, [g["params"] for g in self.param_groups], names, state_keys=(),
                                  what="ZeroOptimizer", options=repr((optimizer_class.__name__, kwargs)),
                                  disk_state_keys=[k for k, dt in elements.items() if dt == torch.float32], **sharding)
@@ -123,7 +140,8 @@ class ZeroOptimizer(EngineOptimizer):
             for k, (t, off, n, start) in enumerate(pieces):
                 self._where[t], self._at[t] = (s, off, n, start), k
         stores = self.engine.stores
-        self._piece = {t: stores[w[0]].master[w[1]:w[1] + w[2]]  # a leaf view: the inner optimizer's param
+        # a leaf view: the inner optimizer's param; 1-D, or the param's shape where it is whole
+        self._piece = {t: stores[w[0]].master[w[1]:w[1] + w[2]].view(self._piece_shape(t))
                        for t, w in enumerate(self._where)}
         ts_of = [[] for _ in self.param_groups]  # per param group, its pieces' trainable indices
         for t, p in enumerate(trainable):
@@ -139,7 +157,8 @@ class ZeroOptimizer(EngineOptimizer):
         self.inner = optimizer_class(kept, **kwargs)
         # [Note: inner state before the first step] in optim/inner_state.py
         device = stores[0].master.device if stores else torch.device("cpu")
-        late = [inner_state.late_keys(optimizer_class, kwargs, g, device) for g in self.inner.param_groups]
+        late = [inner_state.late_keys(optimizer_class, kwargs, g, device, self._probe_shape)
+                for g in self.inner.param_groups]
         self._late = {t: late[k] for k, ts in enumerate(self._inner_ts) for t in ts}
         self._disk = None  # [Note: inner state on disk] in optim/inner_stream.py
         if stores and getattr(stores[0], "streams", False):
@@ -174,7 +193,7 @@ class ZeroOptimizer(EngineOptimizer):
             grads.append(g)
         for t, piece in self._piece.items():
             s, off, n, _ = self._where[t]
-            piece.grad = grads[s][off:off + n] if had[t] else None
+            piece.grad = grads[s][off:off + n].view(piece.shape) if had[t] else None
         self.inner.step()
         for piece in self._piece.values():
             piece.grad = None
@@ -222,6 +241,18 @@ class ZeroOptimizer(EngineOptimizer):
     def _shape(self, t):
         return self._member(t)[2]
 
+    def _piece_shape(self, t):
+        """The inner optimizer's view of trainable param t's piece: the param's shape where a
+        whole-matrix optimizer runs ([Note: whole matrices on one process]), else 1-D."""
+        _, _, n, start = self._where[t]
+        if not self._whole:
+            return (n,)
+        if start != 0 or n != self._numel(t):  # _check_whole_matrices let only one process through
+            raise RuntimeError(f"ZeroOptimizer: {self._member(t)[1] or f'param {t}'} is split across ranks "
+                               f"([{start}, {start + n}) of {self._numel(t)} here), which "
+                               f"{self.optimizer_class.__name__} cannot run on")
+        return tuple(self._shape(t))
+
     def _numel(self, t):
         return self._shape(t).numel()
 
@@ -259,7 +290,10 @@ class ZeroOptimizer(EngineOptimizer):
                     elif v.numel() != n:
                         raise ValueError(f"ZeroOptimizer: state[{index[p]}]['{key}'] has {v.numel()} elements; "
                                          f"param {index[p]} has {numel} and this rank's slice {n}")
-                    v = v.reshape(-1)
+                    elif self._whole and v.dim() > 1 and tuple(v.shape) != tuple(self._shape(t)):
+                        raise ValueError(f"ZeroOptimizer: state[{index[p]}]['{key}'] has shape {list(v.shape)}, "
+                                         f"param {index[p]} has {list(self._shape(t))}")
+                    v = v.reshape(self._piece[t].shape)
                 # a copy: the inner optimizer updates its state in place, and must not write into the
                 # caller's dict (or share a step counter with the optimizer it came from)
                 out[key] = v.clone() if isinstance(v, torch.Tensor) else v
@@ -287,3 +321,31 @@ class ZeroOptimizer(EngineOptimizer):
         rep["adam_state"] += inner  # the inner optimizer's state
         rep["total"] += inner
         return rep
+
+
+def _check_whole_matrices(optimizer_class, why, groups, names, sharding):
+    """[Note: whole matrices on one process]: raise, naming the culprit, unless every trainable
+    param is 2-D and the params are sharded over one process, in memory."""
+    cls = optimizer_class.__name__
+    params = [p for g in groups for p in g["params"]]
+    for k, p in enumerate(params):
+        if p.requires_grad and p.dim() != 2:
+            name = f"params[{k}] ({names[p]!r})" if p in names else f"params[{k}]"
+            raise ValueError(f"ZeroOptimizer: {cls} {why}, and takes 2-D params only: {name} has shape "
+                             f"{list(p.shape)}. Give this ZeroOptimizer the 2-D hidden weights only, and the other "
+                             "params (embeddings, norms, biases) another optimizer")
+    units = [u for u in (unit_of(p) for p in params if p.requires_grad) if u is not None]
+    if units:
+        world, offload, mesh = units[0].comm.world_size, units[0].config.offload, None
+    else:
+        group, offload, mesh = sharding.get("process_group"), sharding.get("offload"), sharding.get("mesh")
+        world = dist.get_world_size(group) if group is not None or (dist.is_available() and dist.is_initialized()) \
+            else 1
+    if mesh is not None or world > 1:
+        raise ValueError(f"ZeroOptimizer: {cls} {why}. On one process every param is whole and it runs; on "
+                         f"{'a mesh' if mesh is not None else f'{world} processes'} it needs the matrix-whole layout "
+                         "(zerokern/zero/core/matrix_layout.py), not wired into the runtime yet (issue 51). Train "
+                         "it without ZeroOptimizer (plain DDP) for now")
+    if getattr(offload, "device", None) == "nvme":
+        raise ValueError(f"ZeroOptimizer: {cls} {why}, and OffloadPolicy(device='nvme') steps chunks of the params; "
+                         "use OffloadPolicy(device='cpu') or none")

@@ -72,7 +72,7 @@ class ZeroEngine:
         # [Note: one collective order] in grads/schedule.py: buckets by when backward completes them.
         placed = sorted(((f, b) for u in self.units for f in u.flat for b in range(len(f.buckets))),
                         key=lambda fb: -min(index[fb[0].params[i]] for i in fb[0].layout.buckets[fb[1]].tensors))
-        self.schedule = ReduceSchedule([(f, f.buckets[b]) for f, b in placed], path, self.comm, config.overlap_comm)
+        self.schedule = ReduceSchedule([(f.grads, f.buckets[b]) for f, b in placed], self.comm, config.overlap_comm)
         self.schedule.owner = weakref.ref(self)
         for u in self.units:
             u.schedule = self.schedule
@@ -181,7 +181,7 @@ class ZeroEngine:
         if self.strategy.frees_grads_after_step:  # [Note: grads after step] in grads/placeholder.py
             for u in self.units:
                 for f in u.flat:
-                    f.after_step(step.had)
+                    f.grads.after_step(step.had)
 
     def _broadcast_params(self):
         """As DDP: every rank starts from rank 0's params, frozen ones too (one broadcast per
@@ -295,7 +295,7 @@ class ZeroEngine:
         self.flags.new_round()
         for u in self.units:
             for f in u.flat:
-                f.after_zero_grad(set_to_none)
+                f.grads.after_zero_grad(set_to_none)
 
     def reload_master_weights(self):
         """fp16/bf16 params: re-read the fp32 master weights from the model's

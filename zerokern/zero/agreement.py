@@ -79,26 +79,26 @@ class Agreement:
                                "opt.clip_grad_norm_")
         self.scaler_in_use = grad_scale is not None
         buckets = self.schedule.buckets
-        if all(all(b.got) for b in buckets):
-            had = [True] * len(self.trainable)
-        else:
-            had = [False] * len(self.trainable)
-            for members, b in zip(self.members, buckets):
-                for t, got in zip(members, b.got):
-                    had[t] = had[t] or got
-        needs = self.schedule.local_needs()
-        stale = [b.stale_accumulation for b in buckets]  # [Note: grads after step]
+        had = [False] * len(self.trainable)
+        needs, stale = [], []  # per bucket: to be reduced; holds a grad from before the last step()
+        for members, b in zip(self.members, buckets):
+            for t, got in zip(members, b.got):
+                if got:
+                    had[t] = True
+            needs.append(b.needs_reduction())
+            stale.append(bool(b.stale))  # [Note: grads after step]
         if not self.comm.distributed and found_inf is None:
-            if any(stale):
+            if True in stale:
                 self._raise_stale([b for b, st in zip(buckets, stale) if st])
             return had, needs, False
         mine = StepFlags(had, needs, [b.edited() or 2.0 * st for b, st in zip(buckets, stale)])
         flags = mine.pack(self.device, found_inf, grad_scale)
         self.comm.wait(self.comm.all_reduce(flags, op=_MAX, name="grad_flags"))
         agreed = StepFlags.unpack(flags.tolist(), len(had), len(needs))
-        if any(e > 1 for e in agreed.edited):
+        worst = max(agreed.edited, default=0.0)  # 2: stale somewhere, 1: edited somewhere
+        if worst > 1:
             self._raise_stale([b for b, e in zip(buckets, agreed.edited) if e > 1])
-        if any(e > 0 for e in agreed.edited):
+        if worst > 0:
             self._raise_edited([b for b, e in zip(buckets, agreed.edited) if e > 0])
         (inf_max, inf_min), (scale_max, scale_min) = agreed.found_inf, agreed.scale
         if grad_scale is not None and scale_max != scale_min:

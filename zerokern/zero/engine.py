@@ -170,14 +170,15 @@ class ZeroEngine:
     def finish_step(self, step: Step) -> None:
         """After the update: the stores send offloaded params back, the gathers bring the others'
         slices; the round ends (the grads freed at stages 2/3, [Note: grads after step])."""
-        if step.updates:
+        updates = step.updates
+        if updates:
             for store in self.stores:
                 store.finish()
             self.param_gather.updated()  # _prepare waited for the last step's gathers
             self.param_policy.after_update(self.units)
         self.flags.last_step_skipped = bool(step.skip and any(step.had))
         self.flags.new_round()
-        self.schedule.end_round(release=self.strategy.frees_grads_after_step, updated=step.updates)
+        self.schedule.end_round(release=self.strategy.frees_grads_after_step, updated=updates)
         if self.strategy.frees_grads_after_step:  # [Note: grads after step] in grads/placeholder.py
             for u in self.units:
                 for f in u.flat:
@@ -233,7 +234,8 @@ class ZeroEngine:
         self.param_gather.wait_all()  # adopt() below and the update write the params
         self.schedule.reset()
         self.param_policy.before_update(self.units)  # stage 3: every unit resharded
-        self._check_frozen()
+        if self._frozen:
+            self._check_frozen()
         for u in self.units:
             u.sync_from_model()
         self._refresh_changed_masters()

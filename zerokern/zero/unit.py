@@ -105,8 +105,10 @@ class FlatParams:
             for i, m in enumerate(self.members):
                 p = m.param
                 empty_param.mark_full(p)  # first: the checks' reads then skip its __torch_function__
-                m.check_untouched(self.unit_name)
-                m.check_moved(self.dtype, self.device)  # model.to(dtype) between gathers cast only the placeholder
+                if m.empty_version is not None and p._version != m.empty_version:  # the checks' own tests,
+                    m.check_untouched(self.unit_name)  # inline: they run per param and gather
+                if p.device != self.device or p.dtype != self.dtype:  # model.to(dtype) between gathers cast only
+                    m.check_moved(self.dtype, self.device)  # the placeholder
                 m.empty_version = None
                 p.data = self.param_bufs.view(i, m.shape)
                 m.ptr = p.data_ptr()
@@ -236,7 +238,7 @@ class ShardUnit:
                 if p._version != m.version:  # [Note: in-place weights]
                     m.version = p._version
                     f.changed.add(i)
-            f.grads.sync_all()
+            f.grads.sync()
 
     def adopt_replacement(self, owner, attr, p, q) -> None:
         """owner.<attr> was replaced by another tensor q (load_state_dict(assign=True)): p takes

@@ -56,6 +56,11 @@ class MemberGrads:
 
     def bind(self, i: int) -> None:
         """params[i].grad becomes its bucket view, holding the grad it has now (if any)."""
+        self._bind(i)
+        self.bucket[i].note_write()
+
+    def _bind(self, i: int) -> None:
+        """bind() but for noting the write, which the caller does (mark_got notes it)."""
         m, bucket = self.members[i], self.bucket[i]
         g = m.param.grad
         if isinstance(g, ShardedGrad) or bucket.is_view(i, g, m.shape):
@@ -63,7 +68,6 @@ class MemberGrads:
         if g is not None:
             view = bucket.view_for_overwrite(i, m.shape)
             view.copy_(g)  # a fresh grad from autograd, or one assigned by hand
-            bucket.note_write()
         else:
             view = bucket.view(i, m.shape)
         self.set(i, view)
@@ -72,8 +76,8 @@ class MemberGrads:
         """The post-accumulate hook: autograd's grad for params[i] moves into (or already is) its
         bucket view, and the bucket counts it. Returns the bucket."""
         bucket = self.bucket[i]
-        self.bind(i)
-        bucket.mark_got(i, synced)
+        self._bind(i)
+        bucket.mark_got(i, synced)  # notes the write
         return bucket
 
     def placeholder(self, i: int, kind=REDUCED) -> ShardedGrad:
@@ -91,31 +95,30 @@ class MemberGrads:
         elif g is not self.bound[i]:
             self.bucket[i].stale.discard(i)
 
-    def sync(self, i: int) -> None:
-        """What the user did to params[i].grad since the runtime bound it: a grad assigned by hand
-        (no backward, so no hook) moves into its bucket; one set to None (torch's way to skip a
-        param) no longer counts. A .grad that is still the one bound last passes on identity."""
-        m, bucket = self.members[i], self.bucket[i]
-        g = m.param.grad
-        if g is self.bound[i]:
-            if isinstance(g, ShardedGrad) and g.kind is CONSUMED:
-                bucket.stale.add(i)  # a grad the last step used, still held: step() raises
-            return
+    def sync(self, members=None) -> None:
+        """What the user did to each member's .grad (all, or the indices given) since the runtime
+        bound it: before step() and each launch. A .grad that is still the one bound last passes on
+        identity (a CONSUMED placeholder still held is stale: step() raises); the others go to
+        _changed()."""
+        bound = self.bound
+        for i in (range(len(bound)) if members is None else members):
+            g = self.members[i].param.grad
+            if g is not bound[i]:
+                self._changed(i, g)
+            elif isinstance(g, ShardedGrad) and g.kind is CONSUMED:
+                self.bucket[i].stale.add(i)  # a grad the last step used, still held: step() raises
+
+    def _changed(self, i: int, g: Optional[torch.Tensor]) -> None:
+        """params[i].grad (g) is not the one bound: a grad assigned by hand (no backward, so no
+        hook) moves into its bucket; one set to None (torch's way to skip a param) no longer counts."""
+        bucket = self.bucket[i]
         bucket.stale.discard(i)  # dropped or replaced since (model.zero_grad(), p.grad = None): as torch
         self.grad_changed(i)
         if g is None:
             bucket.clear_got(i)
-        elif not bucket.is_view(i, g, m.shape):
-            self.bind(i)
+        elif not bucket.is_view(i, g, self.members[i].shape):
+            self._bind(i)
             bucket.mark_got(i, False)
-
-    def sync_all(self, members=None) -> None:
-        """sync() for each member (all, or the indices given): before step() and each launch."""
-        bound = self.bound
-        for i in (range(len(bound)) if members is None else members):
-            g = self.members[i].param.grad
-            if g is not bound[i] or type(g) is ShardedGrad:  # else: still the view bound, nothing to do
-                self.sync(i)
 
     def grad_changed(self, i: int) -> None:
         """params[i].grad is no longer the tensor the runtime bound (the grad path's to say what that drops)."""

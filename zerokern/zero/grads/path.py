@@ -150,7 +150,7 @@ class ReleasedGrads(MemberGrads):
         pending grads go."""
         if bucket.state is BucketState.IN_FLIGHT:
             self.settle(bucket)
-        self.sync_all(bucket.plan.tensors)
+        self.sync(bucket.plan.tensors)
         bucket.launch()
 
     def settle(self, bucket) -> None:
@@ -177,7 +177,8 @@ class ReleasedGrads(MemberGrads):
 
     def end_round(self, bucket, release: bool) -> None:
         """After step() (release or not: the full buffer never outlives the round here)."""
-        self.settle(bucket)
+        if bucket.state is BucketState.IN_FLIGHT:
+            self.settle(bucket)
         if bucket.full is not None:
             self._give_back(bucket)
         bucket.end_round()
@@ -250,7 +251,9 @@ class ReleasedGrads(MemberGrads):
         backward, and a change of one (.grad = None, zero_()) happens on every rank, the shard's
         owner too, at the same point of the collective order. One small all-reduce per synced
         backward (DDP's find_unused_parameters pays the same)."""
-        usage = [float(got) for s in agreement.stores for got in s.bucket.got]
+        usage = []
+        for s in agreement.stores:
+            usage += map(float, s.bucket.got)
         if agreement.scaler_in_use:
             flag, usage = agreement.agreed_overflow(usage)
             for s in agreement.stores:

@@ -52,13 +52,12 @@ class ShardedGrad(torch.Tensor):
     @staticmethod
     def __new__(cls, param: torch.Tensor, name: str, bucket, index: int, shape=None, kind=REDUCED):
         # shape: the param's full shape (at stage 3 its data is empty while its unit is sharded)
-        return torch.Tensor._make_wrapper_subclass(cls, shape if shape is not None else param.shape,
+        self = torch.Tensor._make_wrapper_subclass(cls, shape if shape is not None else param.shape,
                                                    dtype=param.dtype, device=param.device)
-
-    def __init__(self, param, name, bucket, index, shape=None, kind=REDUCED):
         # The bucket weakly: a param's .grad is not seen by the garbage collector, and a strong
         # reference would keep the bucket, its FlatParams and the param itself alive for good.
         self.param_name, self._bucket, self.index, self.kind = name, weakref.ref(bucket), index, kind
+        return self
 
     def zero_in_place(self) -> None:
         """zero_() of the grad: a reduced one is dropped from the shard, a consumed one becomes a

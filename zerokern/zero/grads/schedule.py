@@ -27,7 +27,7 @@ import torch
 
 from .bucket import GradBucket
 from .pool import IN_FLIGHT_BUCKETS, GradBufferPool
-from ..core.states import BackwardState
+from ..core.states import BackwardState, BucketState
 
 
 class ReduceSchedule:
@@ -120,10 +120,6 @@ class ReduceSchedule:
 
     # --- step ------------------------------------------------------------------
 
-    def local_needs(self) -> List[bool]:
-        """Per bucket, in order: does this rank need it reduced before the update?"""
-        return [b.needs_reduction() for b in self.buckets]
-
     def reduce(self, needs: List[bool]) -> None:
         """Launch the buckets that some rank needs reduced (the same list on every rank), then wait for all."""
         with torch.no_grad():
@@ -131,13 +127,15 @@ class ReduceSchedule:
                 if need:
                     path.launch(b)
             for path, b in zip(self._paths, self.buckets):
-                path.settle(b)
+                if b.state is BucketState.IN_FLIGHT:  # settle() of one that is not: nothing to do
+                    path.settle(b)
 
     def end_round(self, release: bool, updated: bool = True) -> None:
         """updated: the step changed the params (its round's error feedback is kept)."""
         for path, b in zip(self._paths, self.buckets):
             path.end_round(b, release)
-            b.settle_wire(updated)
+            if b.wire is not None:  # the round's error feedback ([Note: error feedback])
+                b.settle_wire(updated)
         self._in_flight.clear()
         self._next = 0
         self.state = BackwardState.IDLE

@@ -62,10 +62,7 @@ class Agreement:
         self.members, self.trainable, self.what = members, trainable, what
         self.check_fp16 = any(p.dtype == torch.float16 for p in trainable)
         self.scaler_in_use = True  # until a step() runs without a GradScaler ([Note: overflow on any rank])
-
-    @property
-    def device(self):
-        return self.stores[0].bucket.device if self.stores else torch.device("cpu")
+        self.device = stores[0].bucket.device if stores else torch.device("cpu")  # where the flags are
 
     # --- before the update -----------------------------------------------------
 
@@ -80,18 +77,20 @@ class Agreement:
         self.scaler_in_use = grad_scale is not None
         buckets = self.schedule.buckets
         had = [False] * len(self.trainable)
-        needs, stale = [], []  # per bucket: to be reduced; holds a grad from before the last step()
+        # per bucket: to be reduced; holds a grad from before the last step(); 1 edited, 2 stale
+        needs, stale, edited = [], [], []
         for members, b in zip(self.members, buckets):
             for t, got in zip(members, b.got):
                 if got:
                     had[t] = True
             needs.append(b.needs_reduction())
             stale.append(bool(b.stale))  # [Note: grads after step]
+            edited.append(1.0 if b.edited() else 2.0 if b.stale else 0.0)
         if not self.comm.distributed and found_inf is None:
             if True in stale:
                 self._raise_stale([b for b, st in zip(buckets, stale) if st])
             return had, needs, False
-        mine = StepFlags(had, needs, [b.edited() or 2.0 * st for b, st in zip(buckets, stale)])
+        mine = StepFlags(had, needs, edited)
         flags = mine.pack(self.device, found_inf, grad_scale)
         self.comm.wait(self.comm.all_reduce(flags, op=_MAX, name="grad_flags"))
         agreed = StepFlags.unpack(flags.tolist(), len(had), len(needs))
@@ -159,7 +158,7 @@ class Agreement:
         checks the reduced shards and has the ranks agree on one flag (all-reduce MAX), so every
         rank's scaler sees an overflow, skips and backs off alike. Any dtype: fp32/bf16 params
         under autocast(fp16) use a scaler too. No host sync."""
-        if self.stores:
+        if self.stores and self.path.after_backward is not None:
             self.path.after_backward(self)  # the grad path knows whether .grad is local
 
     def agreed_overflow(self, usage: Optional[List[float]] = None):

@@ -176,7 +176,7 @@ class GradBucket:
         self.reduced_in_round = True
         self.ready.clear()
         self.rewritten = False
-        self.note_write()
+        self.known_version = full._version  # note_write(), inline: it runs per launch
         return full
 
     def wait(self) -> None:

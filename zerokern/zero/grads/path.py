@@ -19,10 +19,8 @@ ReleasedGrads, stages 2 and 3 on several ranks: [Note: stage-2 memory] (released
     before_accumulate(i)                 autograd is about to add a grad into params[i].grad
     grad_changed(i)                      params[i].grad is no longer the tensor the runtime bound
 GradPath.after_backward(agreement) is the mode's agreement after a synced backward (several ranks
-with local grads: stage 1 here).
+with local grads: stage 1 here; none at stage 0).
 """
-
-from dataclasses import dataclass
 
 import torch
 
@@ -48,27 +46,23 @@ def _wire(comm, precision, flat, b):
     return GradWire(precision, _bucket_name(flat, b), comm.wire_rank)
 
 
-@dataclass(frozen=True)
 class GradPath:
     """The grad mode of a stage, chosen once by grad_path(): the same for every unit of an
-    optimizer (their configs agree). releases: ReleasedGrads, else LocalGrads; local: .grad keeps
-    this rank's local grad after backward (stage 1), not the average."""
+    optimizer (their configs agree)."""
 
-    releases: bool
-    local: bool
+    def __init__(self, releases: bool, local: bool):
+        self.releases = releases  # ReleasedGrads, else LocalGrads
+        self.local = local  # .grad keeps this rank's local grad after backward (stage 1), not the average
+        # the mode's agreement after a synced backward (Agreement.after_backward); None: nothing to
+        # agree (.grad holds the average: stage 0, and every stage on one process)
+        self.after_backward = (ReleasedGrads.after_backward if releases else
+                               LocalGrads.after_backward if local else None)
 
     def group(self, flat, comm, strategy: Strategy, reduce_precision=None) -> MemberGrads:
         """The grad path of one dtype group: its buckets and its members' .grad."""
         if self.releases:
             return ReleasedGrads(flat, comm, reduce_precision)
         return LocalGrads(flat, comm, strategy.reduce_scatters, reduce_precision, self.local)
-
-    def after_backward(self, agreement) -> None:
-        """The mode's agreement after a synced backward (Agreement.after_backward)."""
-        if self.releases:
-            ReleasedGrads.after_backward(agreement)
-        elif self.local:
-            LocalGrads.after_backward(agreement)
 
 
 def grad_path(strategy: Strategy) -> GradPath:

@@ -92,8 +92,8 @@ class ReduceSchedule:
         if bucket.draws_from_pool:  # its buffer goes back once the reduction has read it
             self._in_flight.append((path, bucket))
             while len(self._in_flight) > IN_FLIGHT_BUCKETS:
-                path_, oldest = self._in_flight.popleft()
-                path_.release_buffer(oldest)  # its full buffer goes back to the pool
+                oldest_path, oldest = self._in_flight.popleft()
+                oldest_path.release_buffer(oldest)  # its full buffer goes back to the pool
 
     def _end_of_backward(self) -> None:
         with torch.no_grad():

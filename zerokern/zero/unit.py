@@ -3,7 +3,9 @@ buckets per dtype, with the gradient hooks that feed those buckets.
 
 A unit owns, for each dtype among its trainable params, one FlatParams: the
 bucket plan (FlatLayout), the param buffers whose views the params' .data
-become, and one GradBucket per bucket. It owns its hooks and removes them. It
+become, and its grad path (grads/path.py), which holds one GradBucket per bucket
+and what each param's .grad is. It owns its hooks, which hand each grad to the
+grad path ([Note: a short grad walk] in grads/members.py), and removes them. It
 does not decide when a bucket is reduced: that is the ReduceSchedule's job
 (one per optimizer, over all of its units), which the unit reports grads to.
 
@@ -39,8 +41,8 @@ from .params.storage import FlatBuffers
 
 
 class FlatParams:
-    """One dtype's trainable params of a unit (in backward order): a Member each, their buffers and
-    grad buckets."""
+    """One dtype's trainable params of a unit (in backward order): a Member each, their buffers, and
+    their grad path (its grad buckets and the members' .grad)."""
 
     def __init__(self, params, names, breaks, comm, config: ShardConfig, strategy: Strategy, unit_name: str, grads,
                  params_policy):
@@ -156,7 +158,7 @@ class ShardUnit:
                  config: ShardConfig, name: str, grads, params_policy):
         """params/names/runs in registration order; runs[k] numbers the stretch of the
         module's params (between other units' params) that params[k] belongs to. grads: the grad
-        path of the unit's stage (grads/path.py: grad_path), params_policy its param policy
+        path's mode of the unit's stage (a GradPath, grads/path.py: grad_path), params_policy its param policy
         (params/policy.py: param_policy)."""
         self.comm, self.config, self.name = comm, config, name
         self.strategy = config.strategy(comm.world_size)  # what the stage means here (core/stage.py)

@@ -139,7 +139,7 @@ class ReleasedGrads(MemberGrads):
 
     def launch(self, bucket) -> None:
         """A re-launch first settles the last reduction; the members' .grad changes are taken at
-        the same point of the collective order on every rank (reconcile: a reduced grad the user
+        the same point of the collective order on every rank (sync(): a reduced grad the user
         dropped is zeroed in the shard before any rank adds a new reduction to it), then the
         pending grads go."""
         if bucket.state is BucketState.IN_FLIGHT:

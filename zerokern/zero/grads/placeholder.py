@@ -13,7 +13,7 @@ torch users rely on honest:
   optimizer) is answered from the reduced shards' overflow flag, which every
   rank agreed on after backward, so every rank's scaler skips alike;
 - zero_() (model.zero_grad(set_to_none=False)) zeroes the param's reduced grad;
-  setting .grad to None or assigning a tensor drops it (FlatParams sees that);
+  setting .grad to None or assigning a tensor drops it (the grad path sees that);
 - anything else (torch.nn.utils.clip_grad_norm_, reading or editing values)
   raises an error that names the param and the fix, never a silent no-op.
 

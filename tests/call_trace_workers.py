@@ -1,5 +1,9 @@
 """Per-rank bodies of test_call_trace.py: how many zerokern functions one gradient, or one gather,
-walks through (issue 48: a value should travel a short way; FSDP2's grad takes 3 stops in 2 files)."""
+walks through (issue 48: a value should travel a short way; FSDP2's grad takes 3 stops in 2 files).
+
+    PYTHONPATH=.:tests python tests/call_trace_workers.py          # the four counts (rank 0)
+    PYTHONPATH=.:tests python tests/call_trace_workers.py grad int8  # one walk, stop by stop
+"""
 
 import os
 import sys
@@ -19,14 +23,21 @@ class Walk:
 
     def __enter__(self):
         self.calls, self.files, self.names = 0, set(), {}
+        self.walk, depth = [], [0]  # each stop, indented by how deep in zerokern it was entered
 
         def profile(frame, event, arg):
-            if event == "call" and frame.f_code.co_filename.startswith(ROOT):
+            if not frame.f_code.co_filename.startswith(ROOT):
+                return
+            if event == "call":
                 self.calls += 1
                 where = frame.f_code.co_filename[len(ROOT):]
                 self.files.add(where)
                 key = f"{where}:{frame.f_code.co_name}"
                 self.names[key] = self.names.get(key, 0) + 1
+                self.walk.append("  " * depth[0] + key)
+                depth[0] += 1
+            elif event == "return":
+                depth[0] -= 1
         sys.setprofile(profile)
         return self
 
@@ -34,7 +45,8 @@ class Walk:
         sys.setprofile(None)
 
     def result(self):
-        return {"calls": self.calls, "files": len(self.files), "top": sorted(self.names.items(), key=lambda kv: -kv[1])[:15]}
+        return {"calls": self.calls, "files": len(self.files), "top": sorted(self.names.items(), key=lambda kv: -kv[1])[:15],
+                "walk": self.walk}
 
 
 def grad_walk(rank, world, precision):
@@ -70,3 +82,18 @@ def gather_walk(rank, world, precision):
     with torch.no_grad(), Walk() as w:
         model(x)
     return w.result()
+
+
+if __name__ == "__main__":
+    import dist_harness
+    import call_trace_workers as W  # by module name: the ranks unpickle the function from there
+
+    walks = {"grad": W.grad_walk, "gather": W.gather_walk}
+    if len(sys.argv) > 1:
+        r = dist_harness.values(dist_harness.run(walks[sys.argv[1]], 2, (sys.argv[2:] or [None])[0]))[0]
+        print("\n".join(r["walk"]) + f"\n{r['calls']} calls in {r['files']} files")
+    else:
+        for name, fn in walks.items():
+            for precision in (None, "int8"):
+                r = dist_harness.values(dist_harness.run(fn, 2, precision))[0]
+                print(f"{name:6} {precision or 'full':4}  {r['calls']:3} calls in {r['files']} files", flush=True)

@@ -63,8 +63,8 @@ def fused_adam_(
     grad_scale may be one-element tensors on the params' device (no host sync).
     """
     # Lists, which the backends' cached paths read directly (a copy only where it is not one already).
-    params, grads, exp_avgs, exp_avg_sqs = (x if type(x) is list else list(x) for x in (params, grads, exp_avgs,
-                                                                                      exp_avg_sqs))
+    params, grads, exp_avgs, exp_avg_sqs = [x if type(x) is list else list(x) for x in (params, grads, exp_avgs,
+                                                                                      exp_avg_sqs)]
     model_params = (model_params if type(model_params) is list else list(model_params)) if model_params else None
     hyper = AdamHyper(_f32_scalar(lr), beta1, beta2, eps, weight_decay, _f32_scalar(step), adam_w_mode,
                       bias_correction, _f32_scalar(grad_scale), found_inf)

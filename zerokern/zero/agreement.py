@@ -62,10 +62,7 @@ class Agreement:
         self.members, self.trainable, self.what = members, trainable, what
         self.check_fp16 = any(p.dtype == torch.float16 for p in trainable)
         self.scaler_in_use = True  # until a step() runs without a GradScaler ([Note: overflow on any rank])
-
-    @property
-    def device(self):
-        return self.stores[0].bucket.device if self.stores else torch.device("cpu")
+        self.device = stores[0].bucket.device if stores else torch.device("cpu")  # where the flags are
 
     # --- before the update -----------------------------------------------------
 
@@ -79,26 +76,28 @@ class Agreement:
                                "opt.clip_grad_norm_")
         self.scaler_in_use = grad_scale is not None
         buckets = self.schedule.buckets
-        if all(all(b.got) for b in buckets):
-            had = [True] * len(self.trainable)
-        else:
-            had = [False] * len(self.trainable)
-            for members, b in zip(self.members, buckets):
-                for t, got in zip(members, b.got):
-                    had[t] = had[t] or got
-        needs = self.schedule.local_needs()
-        stale = [b.stale_accumulation for b in buckets]  # [Note: grads after step]
+        had = [False] * len(self.trainable)
+        # per bucket: to be reduced; holds a grad from before the last step(); 1 edited, 2 stale
+        needs, stale, edited = [], [], []
+        for members, b in zip(self.members, buckets):
+            for t, got in zip(members, b.got):
+                if got:
+                    had[t] = True
+            needs.append(b.needs_reduction())
+            stale.append(bool(b.stale))  # [Note: grads after step]
+            edited.append(1.0 if b.edited() else 2.0 if b.stale else 0.0)
         if not self.comm.distributed and found_inf is None:
-            if any(stale):
+            if True in stale:
                 self._raise_stale([b for b, st in zip(buckets, stale) if st])
             return had, needs, False
-        mine = StepFlags(had, needs, [b.edited() or 2.0 * st for b, st in zip(buckets, stale)])
+        mine = StepFlags(had, needs, edited)
         flags = mine.pack(self.device, found_inf, grad_scale)
         self.comm.wait(self.comm.all_reduce(flags, op=_MAX, name="grad_flags"))
         agreed = StepFlags.unpack(flags.tolist(), len(had), len(needs))
-        if any(e > 1 for e in agreed.edited):
+        worst = max(agreed.edited, default=0.0)  # 2: stale somewhere, 1: edited somewhere
+        if worst > 1:
             self._raise_stale([b for b, e in zip(buckets, agreed.edited) if e > 1])
-        if any(e > 0 for e in agreed.edited):
+        if worst > 0:
             self._raise_edited([b for b, e in zip(buckets, agreed.edited) if e > 0])
         (inf_max, inf_min), (scale_max, scale_min) = agreed.found_inf, agreed.scale
         if grad_scale is not None and scale_max != scale_min:
@@ -159,7 +158,7 @@ class Agreement:
         checks the reduced shards and has the ranks agree on one flag (all-reduce MAX), so every
         rank's scaler sees an overflow, skips and backs off alike. Any dtype: fp32/bf16 params
         under autocast(fp16) use a scaler too. No host sync."""
-        if self.stores:
+        if self.stores and self.path.after_backward is not None:
             self.path.after_backward(self)  # the grad path knows whether .grad is local
 
     def agreed_overflow(self, usage: Optional[List[float]] = None):

@@ -72,7 +72,7 @@ class ZeroEngine:
         # [Note: one collective order] in grads/schedule.py: buckets by when backward completes them.
         placed = sorted(((f, b) for u in self.units for f in u.flat for b in range(len(f.buckets))),
                         key=lambda fb: -min(index[fb[0].params[i]] for i in fb[0].layout.buckets[fb[1]].tensors))
-        self.schedule = ReduceSchedule([(f, f.buckets[b]) for f, b in placed], path, self.comm, config.overlap_comm)
+        self.schedule = ReduceSchedule([(f.grads, f.buckets[b]) for f, b in placed], self.comm, config.overlap_comm)
         self.schedule.owner = weakref.ref(self)
         for u in self.units:
             u.schedule = self.schedule
@@ -170,18 +170,19 @@ class ZeroEngine:
     def finish_step(self, step: Step) -> None:
         """After the update: the stores send offloaded params back, the gathers bring the others'
         slices; the round ends (the grads freed at stages 2/3, [Note: grads after step])."""
-        if step.updates:
+        updates = step.updates
+        if updates:
             for store in self.stores:
                 store.finish()
             self.param_gather.updated()  # _prepare waited for the last step's gathers
             self.param_policy.after_update(self.units)
         self.flags.last_step_skipped = bool(step.skip and any(step.had))
         self.flags.new_round()
-        self.schedule.end_round(release=self.strategy.frees_grads_after_step, updated=step.updates)
+        self.schedule.end_round(release=self.strategy.frees_grads_after_step, updated=updates)
         if self.strategy.frees_grads_after_step:  # [Note: grads after step] in grads/placeholder.py
             for u in self.units:
                 for f in u.flat:
-                    f.after_step(step.had)
+                    f.grads.after_step(step.had)
 
     def _broadcast_params(self):
         """As DDP: every rank starts from rank 0's params, frozen ones too (one broadcast per
@@ -233,7 +234,8 @@ class ZeroEngine:
         self.param_gather.wait_all()  # adopt() below and the update write the params
         self.schedule.reset()
         self.param_policy.before_update(self.units)  # stage 3: every unit resharded
-        self._check_frozen()
+        if self._frozen:
+            self._check_frozen()
         for u in self.units:
             u.sync_from_model()
         self._refresh_changed_masters()
@@ -295,7 +297,7 @@ class ZeroEngine:
         self.flags.new_round()
         for u in self.units:
             for f in u.flat:
-                f.after_zero_grad(set_to_none)
+                f.grads.after_zero_grad(set_to_none)
 
     def reload_master_weights(self):
         """fp16/bf16 params: re-read the fp32 master weights from the model's

@@ -3,7 +3,9 @@ buckets per dtype, with the gradient hooks that feed those buckets.
 
 A unit owns, for each dtype among its trainable params, one FlatParams: the
 bucket plan (FlatLayout), the param buffers whose views the params' .data
-become, and one GradBucket per bucket. It owns its hooks and removes them. It
+become, and its grad path (grads/path.py), which holds one GradBucket per bucket
+and what each param's .grad is. It owns its hooks, which hand each grad to the
+grad path ([Note: a short grad walk] in grads/members.py), and removes them. It
 does not decide when a bucket is reduced: that is the ReduceSchedule's job
 (one per optimizer, over all of its units), which the unit reports grads to.
 
@@ -33,21 +35,20 @@ from .params import empty as empty_param
 from .grads.bucket import GradBucket
 from .core.layout import plan_layout
 from .core.member import Member
-from .grads.placeholder import CONSUMED, ZERO, ShardedGrad
+from .grads.placeholder import ShardedGrad
 from .core.stage import ShardConfig, Strategy
-from .core.states import BucketState
 from .params.storage import FlatBuffers
 
 
 class FlatParams:
-    """One dtype's trainable params of a unit (in backward order): a Member each, their buffers and
-    grad buckets."""
+    """One dtype's trainable params of a unit (in backward order): a Member each, their buffers, and
+    their grad path (its grad buckets and the members' .grad)."""
 
     def __init__(self, params, names, breaks, comm, config: ShardConfig, strategy: Strategy, unit_name: str, grads,
                  params_policy):
-        """grads: the grad path (grads/path.py: grad_path); params_policy: where the params live
-        between steps (params/policy.py: param_policy)."""
-        self.grads, self.params_policy = grads, params_policy
+        """grads: the grad path's mode (grads/path.py: grad_path), which makes this group's grad
+        path; params_policy: where the params live between steps (params/policy.py: param_policy)."""
+        self.params_policy = params_policy
         self.members = [Member(p, i, n) for i, (p, n) in enumerate(zip(params, names))]
         self.params = tuple(params)  # members' params, for code that wants the tensors (fixed for good)
         self.unit_name = unit_name
@@ -64,7 +65,9 @@ class FlatParams:
         # while the unit is gathered)
         self.param_shards: List[torch.Tensor] = [self.param_bufs.shard(self.rank, b)
                                                  for b in range(len(self.layout.buckets))]
-        self.buckets = grads.make_buckets(self, comm, strategy, config.reduce_precision)
+        # the group's grad path: its GradBuckets and each member's .grad (grads/members.py)
+        self.grads = grads.group(self, comm, strategy, config.reduce_precision)
+        self.buckets = self.grads.buckets
         # stage 3 with OffloadPolicy(params=True): bucket -> the NvmeStore whose file holds the slice
         # ([Note: stage-3 params on disk] in state/nvme_store.py); None: the slices are in memory
         self.shard_io = None
@@ -72,71 +75,11 @@ class FlatParams:
         for i, m in enumerate(self.members):
             if m.param.grad is None:
                 continue  # as in torch, None until a backward reaches it (no full grad buffer until then)
-            self.bind_grad(i)
-            self.bucket_of(i).mark_got(i, False)  # a grad from before sharding counts, as torch.optim would use it
+            self.grads.took(i, False)  # a grad from before sharding counts, as torch.optim would use it
 
     @property
     def names(self) -> List[str]:
         return [m.name for m in self.members]
-
-    def bucket_of(self, i: int) -> GradBucket:
-        return self.buckets[self.layout.slots[i].bucket]
-
-    def bind_grad(self, i: int) -> None:
-        """params[i].grad becomes its bucket view, holding the grad it has now (if any)."""
-        m, bucket = self.members[i], self.bucket_of(i)
-        p, shape = m.param, m.shape
-        if bucket.is_view(i, p.grad, shape) or isinstance(p.grad, ShardedGrad):
-            return
-        if p.grad is not None:
-            view = bucket.view_for_overwrite(i, shape)
-            view.copy_(p.grad)  # a fresh grad from autograd, or one assigned by hand
-            bucket.note_write()
-        else:
-            view = bucket.view(i, shape)
-        self.set_grad(i, view)
-
-    def set_grad(self, i: int, grad: Optional[torch.Tensor]) -> None:
-        """params[i].grad = grad, remembered as bound. torch checks a grad's shape against the
-        param's when it is assigned; a stage-3 param whose unit is sharded has data of shape [0]
-        ([Note: stage-3 params]), so it stands in a stride-0 view of the full shape (no copy) for
-        the assignment."""
-        m = self.members[i]
-        p = m.param
-        if grad is not None:
-            m.check_moved(self.dtype, self.device)  # before torch refuses a grad of the old dtype with its own message
-        if grad is not None and empty_param.held_shape(p) != grad.shape:  # [Note: shapes between gathers]
-            held = p.data
-            p.data = held.new_zeros(()).expand(m.shape)  # 0-d: expands to any shape, () too
-            p.grad = grad
-            p.data = held
-        else:
-            p.grad = grad
-        m.bound = grad
-
-    def placeholder(self, i: int, kind=None) -> ShardedGrad:
-        m = self.members[i]
-        if kind is None:
-            return ShardedGrad(m.param, m.name, self.bucket_of(i), i, m.shape)
-        return ShardedGrad(m.param, m.name, self.bucket_of(i), i, m.shape, kind)
-
-    def sync_grad(self, i: int) -> None:
-        """What the user did to params[i].grad since the runtime bound it: a grad assigned by hand
-        (no backward, so no hook) moves into its bucket; one set to None (torch's way to skip a
-        param) no longer counts. A .grad that is still the one bound last passes on identity."""
-        m, bucket = self.members[i], self.bucket_of(i)
-        g = m.param.grad
-        if g is m.bound:
-            if isinstance(g, ShardedGrad) and g.kind is CONSUMED:
-                bucket.stale.add(i)  # a grad the last step used, still held: step() raises
-            return
-        bucket.stale.discard(i)  # dropped or replaced since (model.zero_grad(), p.grad = None): as torch
-        self.grads.grad_changed(self, i)
-        if g is None:
-            bucket.clear_got(i)
-        elif not bucket.is_view(i, g, m.shape):
-            self.bind_grad(i)
-            bucket.mark_got(i, False)
 
     def param_shard(self, b: int) -> torch.Tensor:
         """This rank's slice of param bucket b: a view of the full buffer, or at stage 3 (once
@@ -164,8 +107,10 @@ class FlatParams:
             for i, m in enumerate(self.members):
                 p = m.param
                 empty_param.mark_full(p)  # first: the checks' reads then skip its __torch_function__
-                m.check_untouched(self.unit_name)
-                m.check_moved(self.dtype, self.device)  # model.to(dtype) between gathers cast only the placeholder
+                if m.empty_version is not None and p._version != m.empty_version:  # the checks' own tests,
+                    m.check_untouched(self.unit_name)  # inline: they run per param and gather
+                if p.device != self.device or p.dtype != self.dtype:  # model.to(dtype) between gathers cast only
+                    m.check_moved(self.dtype, self.device)  # the placeholder
                 m.empty_version = None
                 p.data = self.param_bufs.view(i, m.shape)
                 m.ptr = p.data_ptr()
@@ -203,36 +148,7 @@ class FlatParams:
         p.data = view
         m.ptr = p.data_ptr()
         if p.grad is not None and not isinstance(p.grad, ShardedGrad):  # model.to() moved the grad along
-            self.bind_grad(i)
-
-    def after_step(self, had) -> None:
-        """The full grad buffers were freed after step() (stages 2 and 3): a param that had a grad
-        holds a CONSUMED placeholder, as torch would still hold its grad; the others None.
-        had[m.t]: member m had a grad on some rank this step."""
-        for i, m in enumerate(self.members):
-            if had[m.t]:
-                self.set_grad(i, self.placeholder(i, CONSUMED))
-            elif m.param.grad is not None:
-                self.set_grad(i, None)
-
-    def after_zero_grad(self, set_to_none: bool) -> None:
-        """As torch's zero_grad: every .grad None, or (set_to_none=False) each existing grad a zero
-        grad that the next step() uses (momentum and weight decay move the param) unless a backward
-        adds to it: the (zeroed) bucket view, or a ZERO placeholder where the buffer is freed."""
-        for i, m in enumerate(self.members):
-            g = m.param.grad
-            if g is None and m.bound is None:
-                continue
-            m.check_moved(self.dtype, self.device)
-            bucket = self.bucket_of(i)
-            if set_to_none or g is None:
-                self.set_grad(i, None)
-            elif bucket.full is not None:
-                self.set_grad(i, bucket.view(i, m.shape))  # zeroed by the schedule
-                bucket.mark_got(i, False)
-            else:
-                self.set_grad(i, self.placeholder(i, ZERO))
-                bucket.mark_got(i, False)
+            self.grads.bind(i)
 
 
 class ShardUnit:
@@ -242,7 +158,7 @@ class ShardUnit:
                  config: ShardConfig, name: str, grads, params_policy):
         """params/names/runs in registration order; runs[k] numbers the stretch of the
         module's params (between other units' params) that params[k] belongs to. grads: the grad
-        path of the unit's stage (grads/path.py: grad_path), params_policy its param policy
+        path's mode of the unit's stage (a GradPath, grads/path.py: grad_path), params_policy its param policy
         (params/policy.py: param_policy)."""
         self.comm, self.config, self.name = comm, config, name
         self.strategy = config.strategy(comm.world_size)  # what the stage means here (core/stage.py)
@@ -317,13 +233,14 @@ class ShardUnit:
         for f in self.flat:
             for i, m in enumerate(f.members):
                 p = m.param
-                m.check_untouched(f.unit_name)  # stage 3 only: elsewhere nothing is recorded
+                if m.empty_version is not None:  # stage 3 only: elsewhere nothing is recorded
+                    m.check_untouched(f.unit_name)
                 if p.data_ptr() != m.ptr:
                     f.adopt(i)
                 if p._version != m.version:  # [Note: in-place weights]
                     m.version = p._version
                     f.changed.add(i)
-                f.sync_grad(i)
+            f.grads.sync()
 
     def adopt_replacement(self, owner, attr, p, q) -> None:
         """owner.<attr> was replaced by another tensor q (load_state_dict(assign=True)): p takes
@@ -430,20 +347,16 @@ def _pre_hook(unit_ref, k: int, i: int):
             return None  # the unit was dropped: the param trains on without zerokern
         f = unit.flat[k]
         m = f.members[i]
-        m.check_moved(f.dtype, f.device)  # before autograd fails on a grad of another dtype or device
+        p = m.param
+        if p.device != f.device or p.dtype != f.dtype:  # before autograd fails on a grad of another dtype or device
+            m.check_moved(f.dtype, f.device)
         if grad.layout is not torch.strided:
             raise RuntimeError(f"zerokern: {m.name} got a sparse gradient (nn.Embedding(..., sparse=True) or "
                                "EmbeddingBag(..., sparse=True)?), but zerokern's buckets hold dense gradients that "
                                "are reduced and sharded as one buffer; build the module with sparse=False (torch's "
                                "AdamW refuses sparse gradients too)")
-        # Runs before autograd adds `grad` into the bucket. A bucket still in flight here was
-        # launched before this grad came (a reentrant checkpoint segment or shared weights
-        # reaching the param twice, or a backward after an interrupted one): wait for it
-        # first, so the add never races the collective ([Note: the local grads are the truth]).
-        bucket = f.bucket_of(i)
-        if bucket.state is BucketState.IN_FLIGHT:
-            f.grads.settle(f, bucket)
-        f.grads.before_accumulate(f, i)
+        # Runs before autograd adds `grad` into the bucket ([Note: a short grad walk] in grads/members.py).
+        f.grads.before_accumulate(i)
     return torch.compiler.disable(pre_hook)  # [Note: hooks under torch.compile] (params/per_unit.py)
 
 
@@ -452,10 +365,7 @@ def _hook(unit_ref, k: int, i: int):
         unit = unit_ref()
         if unit is None:
             return
-        f = unit.flat[k]
-        bucket = f.bucket_of(i)
-        f.bind_grad(i)
-        bucket.mark_got(i, unit.sync)
+        bucket = unit.flat[k].grads.took(i, unit.sync)
         if unit.schedule is not None and unit.sync:
             unit.schedule.on_grad(bucket)
         if unit.after_grad is not None:

@@ -1,11 +1,12 @@
-"""Member: one trainable param of a FlatParams, with everything the runtime tracks about it.
+"""Member: one trainable param of a FlatParams, with everything the runtime tracks about its data
+(its .grad is the grad path's: grads/members.py).
 
 The runtime finds what the model did to a param between two of its own steps by comparing what
 it recorded against the param: where its data must stay (`ptr`, [Note: ownership] in unit.py),
-its version counter when the stores last looked (`version`, [Note: in-place weights]), the
-.grad it last set (`bound`), and at stage 3 its version when its data went empty
-(`empty_version`, [Note: stage-3 params] in params/per_unit.py). These live together so one param's
-record cannot fall out of step with another's.
+its version counter when the stores last looked (`version`, [Note: in-place weights]), and at
+stage 3 its version when its data went empty (`empty_version`, [Note: stage-3 params] in
+params/per_unit.py). These live together so one param's record cannot fall out of step with
+another's.
 """
 
 from typing import Optional
@@ -14,7 +15,7 @@ import torch
 
 
 class Member:
-    __slots__ = ("param", "index", "t", "local_name", "name", "shape", "bound", "ptr", "version", "empty_version")
+    __slots__ = ("param", "index", "t", "local_name", "name", "shape", "ptr", "version", "empty_version")
 
     def __init__(self, param: torch.Tensor, index: int, name: str):
         self.param = param
@@ -23,7 +24,6 @@ class Member:
         self.local_name = name  # relative to the unit's module
         self.name = name  # from the root once the unit is named (ShardUnit.name_from)
         self.shape = param.shape  # at stage 3 the data is empty while the unit is sharded (p.shape reads this)
-        self.bound: Optional[torch.Tensor] = None  # the .grad the runtime set last
         self.ptr = param.data_ptr()
         self.version = param._version
         self.empty_version: Optional[int] = None  # stage 3: param._version when its data went empty

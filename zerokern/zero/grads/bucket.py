@@ -104,9 +104,6 @@ class GradBucket:
         self.note_write()
         return view
 
-    def has_grad(self, index: int) -> bool:
-        return self.got[self._pos[index]]
-
     def is_view(self, index: int, grad: Optional[torch.Tensor], shape) -> bool:
         full = self.full
         # a placeholder (grads/placeholder.py) has no storage: its data_ptr() is 0, never a slot's
@@ -129,7 +126,8 @@ class GradBucket:
         self.got[k] = True
         if self.state is not BucketState.IDLE:
             self.rewritten = True
-        self.note_write()
+        if self.full is not None:  # note_write(), inline: it runs per grad
+            self.known_version = self.full._version
         if synced:
             self.ready.add(index)
 
@@ -169,7 +167,7 @@ class GradBucket:
     def _begin_launch(self, zero_missing: bool) -> torch.Tensor:
         """The bookkeeping every launch shares; returns the full buffer to reduce. zero_missing:
         members without a grad this round contribute zeros."""
-        full = self.full_buffer()
+        full = self.full if self.full is not None else self.full_buffer()
         if zero_missing:
             for k, i in enumerate(self.plan.tensors):
                 if not self.got[k]:
@@ -178,7 +176,7 @@ class GradBucket:
         self.reduced_in_round = True
         self.ready.clear()
         self.rewritten = False
-        self.note_write()
+        self.known_version = full._version  # note_write(), inline: it runs per launch
         return full
 
     def wait(self) -> None:
@@ -192,11 +190,6 @@ class GradBucket:
         if not self.scatters:
             self.note_write()  # in place: the average is now what the buffer holds
         self.state = BucketState.REDUCED
-
-    @property
-    def stale_accumulation(self) -> bool:
-        """Some member holds a grad from before the last step() that torch would still hold."""
-        return bool(self.stale)
 
     def needs_reduction(self) -> bool:
         """Not reduced this round though it has grads, or a grad came after the launch."""

@@ -13,7 +13,7 @@ torch users rely on honest:
   optimizer) is answered from the reduced shards' overflow flag, which every
   rank agreed on after backward, so every rank's scaler skips alike;
 - zero_() (model.zero_grad(set_to_none=False)) zeroes the param's reduced grad;
-  setting .grad to None or assigning a tensor drops it (FlatParams sees that);
+  setting .grad to None or assigning a tensor drops it (the grad path sees that);
 - anything else (torch.nn.utils.clip_grad_norm_, reading or editing values)
   raises an error that names the param and the fix, never a silent no-op.
 
@@ -52,13 +52,12 @@ class ShardedGrad(torch.Tensor):
     @staticmethod
     def __new__(cls, param: torch.Tensor, name: str, bucket, index: int, shape=None, kind=REDUCED):
         # shape: the param's full shape (at stage 3 its data is empty while its unit is sharded)
-        return torch.Tensor._make_wrapper_subclass(cls, shape if shape is not None else param.shape,
+        self = torch.Tensor._make_wrapper_subclass(cls, shape if shape is not None else param.shape,
                                                    dtype=param.dtype, device=param.device)
-
-    def __init__(self, param, name, bucket, index, shape=None, kind=REDUCED):
         # The bucket weakly: a param's .grad is not seen by the garbage collector, and a strong
         # reference would keep the bucket, its FlatParams and the param itself alive for good.
         self.param_name, self._bucket, self.index, self.kind = name, weakref.ref(bucket), index, kind
+        return self
 
     def zero_in_place(self) -> None:
         """zero_() of the grad: a reduced one is dropped from the shard, a consumed one becomes a

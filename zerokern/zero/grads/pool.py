@@ -47,9 +47,13 @@ class GradBufferPool:
         """A buffer of at least `numel` elements, its first `numel` zeroed unless `zero` is False
         (give the same tensor back to release()) ([Note: what the pool keeps])."""
         size, device = max(numel, self.unit.get(dtype, 0)), torch.device(device)
-        fits = [k for k, b in enumerate(self._free) if b.dtype == dtype and b.device == device and b.numel() >= size]
-        if fits:
-            buf = self._free.pop(min(fits, key=lambda k: self._free[k].numel()))
+        best = None  # the smallest free buffer that fits, the least recently released of equals
+        for k, b in enumerate(self._free):
+            if b.dtype == dtype and b.device == device and b.numel() >= size and (
+                    best is None or b.numel() < self._free[best].numel()):
+                best = k
+        if best is not None:
+            buf = self._free.pop(best)
         else:
             buf = torch.empty(size, dtype=dtype, device=device)
             self.allocations += 1

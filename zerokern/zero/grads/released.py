@@ -87,9 +87,10 @@ class ReleasingGradBucket(GradBucket):
         return view
 
     def view_for_overwrite(self, index: int, shape) -> torch.Tensor:
-        view = super().view(index, shape)
+        s = self.layout.slots[index]
+        full = self.full if self.full is not None else self.full_buffer()
         self._unwritten.discard(index)
-        return view
+        return full[s.offset:s.offset + s.numel].view(shape)
 
     def give_back(self) -> None:
         """The full buffer goes back to the pool. The grad path (ReleasedGrads) calls this once the
@@ -139,7 +140,7 @@ class ReleasingGradBucket(GradBucket):
         first."""
         if self.state is BucketState.IN_FLIGHT:
             raise RuntimeError(f"zerokern internal error: bucket {self.name} launched while its reduction runs")
-        full = self.full_buffer()
+        full = self.full if self.full is not None else self.full_buffer()
         for i in self._unwritten:  # no grad in this buffer (one may be in the shard already): zeros
             s = self.layout.slots[i]
             full[s.offset:s.offset + s.numel].zero_()
@@ -173,12 +174,13 @@ class ReleasingGradBucket(GradBucket):
         self.comm.wait(self.work)
         self.work = None
         result, self._scratch = self._scratch, None
+        shard, dp = self.shard, self.comm.dp_size
         if self.has_reduced:
-            self.shard.add_(result.div_(self.comm.dp_size))
-        elif result is self.shard:
-            self.shard.div_(self.comm.dp_size)
+            shard.add_(result.div_(dp))
+        elif result is shard:
+            shard.div_(dp)
         else:
-            torch.div(result, self.comm.dp_size, out=self.shard)
+            torch.div(result, dp, out=shard)
         self.has_reduced = True
         self.state = BucketState.REDUCED
 

@@ -27,18 +27,18 @@ import torch
 
 from .bucket import GradBucket
 from .pool import IN_FLIGHT_BUCKETS, GradBufferPool
-from ..core.states import BackwardState
+from ..core.states import BackwardState, BucketState
 
 
 class ReduceSchedule:
-    """placed: (dtype group, bucket) pairs in the collective order; path: their grad path
-    (grads/path.py), which the schedule asks to move each bucket from phase to phase."""
+    """placed: (grad path, bucket) pairs in the collective order: each bucket with the grad path
+    of its dtype group (grads/path.py), which the schedule asks to move the bucket from phase to
+    phase."""
 
-    def __init__(self, placed: List[Tuple[object, GradBucket]], path, comm, overlap: bool,
+    def __init__(self, placed: List[Tuple[object, GradBucket]], comm, overlap: bool,
                  after_backward: Optional[Callable[[], None]] = None):
         self.buckets = [b for _, b in placed]
-        self._flats = [f for f, _ in placed]
-        self.path = path
+        self._paths = [g for g, _ in placed]
         self.comm = comm
         self.overlap = overlap
         # e.g. sharing an fp16 overflow across ranks. A bound method is held weakly: the params'
@@ -59,7 +59,7 @@ class ReduceSchedule:
             if b.draws_from_pool and len(b.plan.tensors) > 1:
                 unit[b.dtype] = max(unit.get(b.dtype, 0), b.plan.padded_numel)
         self.pool = GradBufferPool(keep=IN_FLIGHT_BUCKETS + 3, unit=unit)
-        self._in_flight = deque()  # (dtype group, bucket) of the pooled reductions running
+        self._in_flight = deque()  # (grad path, bucket) of the pooled reductions running
         for b in self.buckets:
             if b.draws_from_pool:
                 b.pool = self.pool
@@ -86,27 +86,25 @@ class ReduceSchedule:
                 self._launch(self._next)
                 self._next += 1
 
-    def _pairs(self):
-        return zip(self._flats, self.buckets)
-
     def _launch(self, k: int) -> None:
-        flat, bucket = self._flats[k], self.buckets[k]
-        self.path.launch(flat, bucket)
+        path, bucket = self._paths[k], self.buckets[k]
+        path.launch(bucket)
         if bucket.draws_from_pool:  # its buffer goes back once the reduction has read it
-            self._in_flight.append((flat, bucket))
+            self._in_flight.append((path, bucket))
             while len(self._in_flight) > IN_FLIGHT_BUCKETS:
-                self.path.release_buffer(*self._in_flight.popleft())  # its full buffer goes back to the pool
+                oldest_path, oldest = self._in_flight.popleft()
+                oldest_path.release_buffer(oldest)  # its full buffer goes back to the pool
 
     def _end_of_backward(self) -> None:
         with torch.no_grad():
             for k in range(self._next, len(self.buckets)):
                 self._launch(k)
-            for f, b in self._pairs():
-                self.path.settle(f, b)
+            for path, b in zip(self._paths, self.buckets):
+                path.settle(b)
             self._in_flight.clear()
             self._next = 0
             self.state = BackwardState.FINISHED
-            after = self.after_backward
+            after = self._after_backward()
             if after is not None:
                 after()
 
@@ -114,40 +112,38 @@ class ReduceSchedule:
         """[Note: interrupted backward] A RUNNING backward whose callback never came: wait out
         what it launched; nothing else changes. No-op otherwise."""
         if self.state is BackwardState.RUNNING and torch._C._current_graph_task_id() == -1:
-            for f, b in self._pairs():
-                self.path.abandon(f, b)
+            for path, b in zip(self._paths, self.buckets):
+                path.abandon(b)
             self._in_flight.clear()
             self._next = 0
             self.state = BackwardState.IDLE
 
     # --- step ------------------------------------------------------------------
 
-    def local_needs(self) -> List[bool]:
-        """Per bucket, in order: does this rank need it reduced before the update?"""
-        return [b.needs_reduction() for b in self.buckets]
-
     def reduce(self, needs: List[bool]) -> None:
         """Launch the buckets that some rank needs reduced (the same list on every rank), then wait for all."""
         with torch.no_grad():
-            for (f, b), need in zip(self._pairs(), needs):
+            for path, b, need in zip(self._paths, self.buckets, needs):
                 if need:
-                    self.path.launch(f, b)
-            for f, b in self._pairs():
-                self.path.settle(f, b)
+                    path.launch(b)
+            for path, b in zip(self._paths, self.buckets):
+                if b.state is BucketState.IN_FLIGHT:  # settle() of one that is not: nothing to do
+                    path.settle(b)
 
     def end_round(self, release: bool, updated: bool = True) -> None:
         """updated: the step changed the params (its round's error feedback is kept)."""
-        for f, b in self._pairs():
-            self.path.end_round(f, b, release)
-            b.settle_wire(updated)
+        for path, b in zip(self._paths, self.buckets):
+            path.end_round(b, release)
+            if b.wire is not None:  # the round's error feedback ([Note: error feedback])
+                b.settle_wire(updated)
         self._in_flight.clear()
         self._next = 0
         self.state = BackwardState.IDLE
 
     def zero(self, set_to_none: bool = True) -> None:
         self.reset()
-        for f, b in self._pairs():
-            self.path.zero(f, b, set_to_none)
+        for path, b in zip(self._paths, self.buckets):
+            path.zero(b, set_to_none)
             b.settle_wire(False)  # grads dropped before a step: so is what their rounding lost
         self._in_flight.clear()
         self._next = 0

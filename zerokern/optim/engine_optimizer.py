@@ -56,7 +56,7 @@ class EngineOptimizer(torch.optim.Optimizer):
             try:
                 self._update(step.had, step.divisor)
             except NvmeOffloadError:  # on every rank, nothing applied ([Note: NVMe swap])
-                step.skip = True  # the round ends as a skipped step's: grads released, no gather
+                step.updates = False  # the round ends as a skipped step's: grads released, no gather
                 self.engine.finish_step(step)
                 raise
         self.engine.finish_step(step)

@@ -180,11 +180,11 @@ class FusedZeroAdam(EngineOptimizer):
 
     @property
     def _steps(self):
-        return [int(s) for s in self._step_buffer.tolist()]
+        return list(map(int, self._step_buffer.tolist()))
 
     def _update(self, had, scale):  # noqa: D102 (EngineOptimizer's)
         """The fused update of every shard (one kernel call per param group and step count)."""
-        stores = self.stores
+        stores = self.engine.stores
         if isinstance(scale, torch.Tensor) and stores and scale.device != stores[0].device:
             scale = scale.to(stores[0].device)  # offloaded stores update on the CPU
         if stores and getattr(stores[0], "streams", False):

@@ -60,6 +60,7 @@ class Agreement:
         trainable indices of store k's bucket's params (in bucket order)."""
         self.comm, self.strategy, self.path, self.schedule, self.stores = comm, strategy, path, schedule, stores
         self.members, self.trainable, self.what = members, trainable, what
+        self.distributed = comm.distributed  # collectives run (fixed with the group)
         self.check_fp16 = any(p.dtype == torch.float16 for p in trainable)
         self.scaler_in_use = True  # until a step() runs without a GradScaler ([Note: overflow on any rank])
         self.device = stores[0].bucket.device if stores else torch.device("cpu")  # where the flags are
@@ -86,7 +87,7 @@ class Agreement:
             needs.append(b.needs_reduction())
             stale.append(bool(b.stale))  # [Note: grads after step]
             edited.append(1.0 if b.edited() else 2.0 if b.stale else 0.0)
-        if not self.comm.distributed and found_inf is None:
+        if not self.distributed and found_inf is None:
             if True in stale:
                 self._raise_stale([b for b, st in zip(buckets, stale) if st])
             return had, needs, False
@@ -201,7 +202,7 @@ class Agreement:
         """Called by zerokern.GradScaler after its inf check of the local grads: every rank
         gets the same found_inf (all-reduce MAX), also when the reduction happens in step()
         (every backward under no_sync()), which the check after backward cannot cover."""
-        if not self.comm.distributed:
+        if not self.distributed:
             return
         # exactly one all-reduce on every rank, whatever devices (or none) this rank's grads were on
         device = self.device

@@ -162,7 +162,8 @@ class ZeroEngine:
         """Everything before the update ([Note: overflow on any rank]): what had a grad, whether
         to skip, and (when it updates) the divisor of the reduced grads: loss scale x clip."""
         had, skip = self._prepare(found_inf, grad_scale)
-        step = Step(had, skip or self.flags.overflow_seen)  # an fp16 sum that overflowed in clip_grad_norm_
+        skip = skip or self.flags.overflow_seen  # an fp16 sum that overflowed in clip_grad_norm_
+        step = Step(had, not skip and any(had))
         if step.updates:
             step.divisor = self._grad_divisor(grad_scale, had, max_grad_norm)
         return step
@@ -176,7 +177,7 @@ class ZeroEngine:
                 store.finish()
             self.param_gather.updated()  # _prepare waited for the last step's gathers
             self.param_policy.after_update(self.units)
-        self.flags.last_step_skipped = bool(step.skip and any(step.had))
+        self.flags.last_step_skipped = not updates and any(step.had)  # had a grad, yet no update
         self.flags.new_round()
         self.schedule.end_round(release=self.strategy.frees_grads_after_step, updated=updates)
         if self.strategy.frees_grads_after_step:  # [Note: grads after step] in grads/placeholder.py

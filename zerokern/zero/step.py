@@ -22,12 +22,10 @@ class Step:
     """One step() as begin_step() decided it, on every rank alike."""
 
     had: List[bool]  # per trainable param: it had a grad on some rank
-    skip: bool  # an inf/nan on some rank: no update
+    # the update runs: some param had a grad and no rank saw an inf/nan. Decided once, by begin_step();
+    # set False by a step whose update failed on every rank (its round then ends as a skipped one's)
+    updates: bool
     divisor: Optional[torch.Tensor] = None  # loss scale x clip factor (a 1-element tensor), or None
-
-    @property
-    def updates(self) -> bool:
-        return not self.skip and any(self.had)
 
 
 @dataclass

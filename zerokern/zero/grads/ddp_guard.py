@@ -87,7 +87,7 @@ class _Watch:
         self.handle = torch.nn.modules.module.register_module_forward_pre_hook(self._pre_forward)
         # torch iterates its step hooks while calling them, so this one cannot remove itself; once
         # the watch is closed it only returns
-        opt.register_step_post_hook(self._after_step)
+        opt.register_step_post_hook(self.close)
         weakref.finalize(opt, self.close)  # an optimizer dropped before stepping
 
     def _pre_forward(self, module, args):
@@ -99,10 +99,8 @@ class _Watch:
             return
         _refuse(ddp, self, self.ids)
 
-    def _after_step(self, opt, args, kwargs):
-        self.close()
-
-    def close(self) -> None:
+    def close(self, *step_hook_args) -> None:
+        """Also the step post-hook (called with opt, args, kwargs): the watch ends at the first step()."""
         if self.handle is not None:
             self.handle.remove()
             self.handle = None

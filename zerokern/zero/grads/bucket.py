@@ -45,6 +45,7 @@ class GradBucket:
         self.layout, self.plan = layout, plan
         self.dtype, self.device = dtype, device
         self.comm, self.rank = comm, rank
+        self.dp_size = comm.dp_size  # how many ranks' grads a reduction averages (fixed with the group)
         self.scatters = scatters  # reduce-scatter into self.shard (stages 1/2, world > 1); else all-reduce in place
         self.name = name  # for errors and profiler labels
         self.wire = wire  # a GradWire (comm/wire.py) when the grads travel in another precision, else None
@@ -147,9 +148,6 @@ class GradBucket:
         self.got[self._pos[index]] = False
         self.ready.discard(index)
 
-    def complete(self) -> bool:
-        return len(self.ready) == len(self.plan.tensors)
-
     def launch(self) -> None:
         """IDLE/REDUCED -> IN_FLIGHT: members with no grad this round contribute zeros."""
         self.wait()  # a re-launch waits out the previous collective on this buffer
@@ -186,7 +184,7 @@ class GradBucket:
         self.comm.wait(self.work)
         self.work = None
         if self.comm.distributed:
-            (self.shard if self.scatters else self.full).div_(self.comm.dp_size)
+            (self.shard if self.scatters else self.full).div_(self.dp_size)
         if not self.scatters:
             self.note_write()  # in place: the average is now what the buffer holds
         self.state = BucketState.REDUCED

@@ -129,11 +129,16 @@ class MemberGrads:
     def after_step(self, had) -> None:
         """The full grad buffers were freed after step() (stages 2 and 3): a param that had a grad
         holds a CONSUMED placeholder, as torch would still hold its grad; the others None.
-        had[m.t]: member m had a grad on some rank this step."""
+        had[m.t]: member m had a grad on some rank this step. A placeholder still bound (the usual
+        case: backward's REDUCED one) turns CONSUMED in place, as zero_() turns one ZERO."""
         for i, m in enumerate(self.members):
+            g = m.param.grad
             if had[m.t]:
-                self.set(i, ShardedGrad(m.param, m.name, self.bucket[i], i, m.shape, CONSUMED))
-            elif m.param.grad is not None:
+                if g is self.bound[i] and isinstance(g, ShardedGrad):
+                    g.kind = CONSUMED
+                else:
+                    self.set(i, ShardedGrad(m.param, m.name, self.bucket[i], i, m.shape, CONSUMED))
+            elif g is not None:
                 self.set(i, None)
 
     def after_zero_grad(self, set_to_none: bool) -> None:

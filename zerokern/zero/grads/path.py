@@ -187,7 +187,9 @@ class ReleasedGrads(MemberGrads):
         for k, i in enumerate(bucket.plan.tensors):
             m = self.members[i]
             g = m.param.grad
-            if bucket.got[k] and (g is None or isinstance(g, ShardedGrad) or bucket.is_view(i, g, m.shape)):
+            # a .grad still the one bound (the usual case) passes on identity: a view of this buffer
+            if bucket.got[k] and (g is None or g is self.bound[i] or isinstance(g, ShardedGrad)
+                                  or bucket.is_view(i, g, m.shape)):
                 self.set(i, ShardedGrad(m.param, m.name, bucket, i, m.shape))
         bucket.give_back()
 

@@ -174,7 +174,7 @@ class ReleasingGradBucket(GradBucket):
         self.comm.wait(self.work)
         self.work = None
         result, self._scratch = self._scratch, None
-        shard, dp = self.shard, self.comm.dp_size
+        shard, dp = self.shard, self.dp_size
         if self.has_reduced:
             shard.add_(result.div_(dp))
         elif result is shard:

@@ -38,6 +38,7 @@ class ReduceSchedule:
     def __init__(self, placed: List[Tuple[object, GradBucket]], comm, overlap: bool,
                  after_backward: Optional[Callable[[], None]] = None):
         self.buckets = [b for _, b in placed]
+        self._sizes = [len(b.plan.tensors) for b in self.buckets]  # members per bucket
         self._paths = [g for g, _ in placed]
         self.comm = comm
         self.overlap = overlap
@@ -81,8 +82,8 @@ class ReduceSchedule:
             self._next = 0
             # [Note: hooks under torch.compile] (params/per_unit.py): run eagerly, never traced
             torch.autograd.Variable._execution_engine.queue_callback(torch.compiler.disable(self._end_of_backward))
-        if self.overlap:
-            while self._next < len(self.buckets) and self.buckets[self._next].complete():
+        if self.overlap:  # the next bucket is complete once every member's hook ran in this backward
+            while self._next < len(self.buckets) and len(self.buckets[self._next].ready) == self._sizes[self._next]:
                 self._launch(self._next)
                 self._next += 1
 

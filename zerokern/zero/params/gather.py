@@ -76,7 +76,7 @@ class BucketParams:
                 with torch.no_grad():
                     mine.copy_(f.param_shards[self.b])
             else:
-                mine = f.param_shard(self.b)  # a view of the buffer: the gather is in place
+                mine = f.param_shards[self.b]  # a view of the buffer: the gather is in place
             self._work = self.comm.all_gather(buf, mine, name=name)
         if f.shard_io is not None:  # the slice was read from disk and copied: [Note: stage-3 params on disk]
             f.shard_io[self.b].release_param()
@@ -137,9 +137,10 @@ class GatherAfterStep:
             if bp.wire is not None:
                 bp.wire.updates += 1  # a new key for the rounding of each update
             bp.launch()
-        self._pending = len(self.buckets)
+        self._pending = len(self.buckets) if self.overlap else 0  # overlap: the next forward's hooks wait
         if not self.overlap:
-            self.wait_all()
+            for bp in self.buckets:
+                bp.wait()
 
     def wait(self, ks) -> None:
         """GATHERING -> GATHERED for these buckets (by index into stores)."""

@@ -28,7 +28,7 @@ from .backends import torch_lowbit  # the reference's low-bit op, beside torch_r
 from .backends.hyper import AdamHyper, Scalar
 from ._checks import check_lowbit_args
 from .backends.registry import BACKENDS, PREFERENCE, resolve
-from .ops import _f32_scalar
+from .ops import _f32_scalars
 
 _NATIVE_LOWBIT = ("cuda", "cpu", "triton")  # backends with a low-bit kernel of their own; "auto" uses the reference elsewhere
 
@@ -58,8 +58,8 @@ def fused_adam_lowbit_(
 ) -> None:
     params, grads, exp_avgs, exp_avg_sqs = (list(x) for x in (params, grads, exp_avgs, exp_avg_sqs))
     seed = int(seed)
-    hyper = AdamHyper(_f32_scalar(lr), beta1, beta2, eps, weight_decay, _f32_scalar(step), adam_w_mode,
-                      bias_correction, _f32_scalar(grad_scale), found_inf)
+    lr, step, grad_scale = _f32_scalars(lr, step, grad_scale)
+    hyper = AdamHyper(lr, beta1, beta2, eps, weight_decay, step, adam_w_mode, bias_correction, grad_scale, found_inf)
     args = (params, grads, exp_avgs, exp_avg_sqs, list(model_params) if model_params else None,
             list(exp_avg_scales) if exp_avg_scales is not None else None,
             list(exp_avg_sq_scales) if exp_avg_sq_scales is not None else None,

@@ -24,12 +24,13 @@ __all__ = ["fused_adam_", "flatten", "unflatten", "unflatten_into", "available_b
            "BackendUnavailableError", "AdamHyper"]
 
 
-def _f32_scalar(x):
-    # One-element tensors of other dtypes (an int64 step counter, a float64 lr)
-    # become float32, which every kernel reads.
-    if isinstance(x, torch.Tensor) and x.dtype != torch.float32:
-        return x.to(torch.float32)
-    return x
+def _f32_scalars(*scalars):
+    """lr, step, grad_scale: one-element tensors of other dtypes (an int64 step counter, a float64
+    lr) become float32, which every kernel reads; numbers and None pass as they are."""
+    out = []
+    for x in scalars:
+        out.append(x.to(torch.float32) if isinstance(x, torch.Tensor) and x.dtype != torch.float32 else x)
+    return out
 
 
 def fused_adam_(
@@ -66,8 +67,8 @@ def fused_adam_(
     params, grads, exp_avgs, exp_avg_sqs = [x if type(x) is list else list(x) for x in (params, grads, exp_avgs,
                                                                                       exp_avg_sqs)]
     model_params = (model_params if type(model_params) is list else list(model_params)) if model_params else None
-    hyper = AdamHyper(_f32_scalar(lr), beta1, beta2, eps, weight_decay, _f32_scalar(step), adam_w_mode,
-                      bias_correction, _f32_scalar(grad_scale), found_inf)
+    lr, step, grad_scale = _f32_scalars(lr, step, grad_scale)
+    hyper = AdamHyper(lr, beta1, beta2, eps, weight_decay, step, adam_w_mode, bias_correction, grad_scale, found_inf)
     if not params:
         resolve(backend, torch.device("cpu"))  # still reject an unknown backend name
         return

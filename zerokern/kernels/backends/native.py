@@ -7,6 +7,7 @@ per-tensor checks for tensors the op validated before ([Note: host cost] in
 csrc/torch/adam_cache.h).
 """
 
+import functools
 import importlib
 
 import torch
@@ -14,33 +15,32 @@ import torch
 from . import selfcheck
 from .hyper import AdamHyper
 
-_CACHED = {}  # device type -> the library's fused_adam_cached, or None
-
-
+@functools.cache  # per device type, looked up once
 def cached_call(device_type):
     """The compiled library's fused_adam_cached for tensors on `device_type`, or None."""
-    if device_type not in _CACHED:
-        module = {"cpu": "zerokern._C", "cuda": "zerokern._C_cuda"}.get(device_type)
-        try:
-            _CACHED[device_type] = getattr(importlib.import_module(module), "fused_adam_cached", None) if module else None
-        except ImportError:
-            _CACHED[device_type] = None
-    return _CACHED[device_type]
+    module = {"cpu": "zerokern._C", "cuda": "zerokern._C_cuda"}.get(device_type)
+    try:
+        return getattr(importlib.import_module(module), "fused_adam_cached", None) if module else None
+    except ImportError:
+        return None
 
 
-def _split(x, default):
-    """A number or a tensor -> (number for the op, tensor or None)."""
-    if isinstance(x, torch.Tensor):
-        return default, (x if x.dtype == torch.float32 else x.float())
-    return float(default if x is None else x), None
+def _split(h: AdamHyper):
+    """lr, step and grad_scale for the op, each as (number, tensor or None): a tensor's number is a
+    default the op ignores."""
+    out = []
+    for x, default in ((h.lr, 0.0), (h.step, 1.0), (h.grad_scale, 1.0)):
+        if isinstance(x, torch.Tensor):
+            out += (default, x if x.dtype == torch.float32 else x.float())
+        else:
+            out += (float(default if x is None else x), None)
+    return out
 
 
 def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, model_params, h: AdamHyper, dry_run=False):
     """dry_run (bench/host_overhead.py): everything but the update, on tensors the op has seen."""
     _check("adam", params)
-    lr, lr_t = _split(h.lr, 0.0)
-    step, step_t = _split(h.step, 1.0)
-    scale, scale_t = _split(h.grad_scale, 1.0)
+    lr, lr_t, step, step_t, scale, scale_t = _split(h)
     # Not while torch.compile traces: it should see the op (a plain C function would break the graph).
     cached = (cached_call(params[0].device.type)
               if params and isinstance(params[0], torch.Tensor) and not torch.compiler.is_compiling() else None)

@@ -146,12 +146,12 @@ class ReleasingGradBucket(GradBucket):
             full[s.offset:s.offset + s.numel].zero_()
         self._unwritten = set()
         full = self._begin_launch(zero_missing=True)  # a dropped member may have left values in its slot
-        name = self.name
+        name, shard = self.name, self.shard  # made here at the latest: wait() writes it
         if self.comm.prefers_all_reduce:
             self._scratch = full[self._range[0]:self._range[1]]
             self.work = self.comm.all_reduce(full, name=f"all_reduce[{name}]", across=self._scratch, wire=self.wire)
         else:
-            self._scratch = torch.empty_like(self.shard) if self.has_reduced else self.shard
+            self._scratch = torch.empty_like(shard) if self.has_reduced else shard
             self.work = self.comm.reduce_scatter(self._scratch, full, name=f"reduce_scatter[{name}]", wire=self.wire)
         self.state = BucketState.IN_FLIGHT
         self.overflow = None  # the shard changes: a flag agreed before no longer holds
@@ -174,7 +174,7 @@ class ReleasingGradBucket(GradBucket):
         self.comm.wait(self.work)
         self.work = None
         result, self._scratch = self._scratch, None
-        shard, dp = self.shard, self.dp_size
+        shard, dp = self._shard, self.dp_size  # launch() made the shard
         if self.has_reduced:
             shard.add_(result.div_(dp))
         elif result is shard:

@@ -48,6 +48,7 @@ class BucketParams:
         if wire is not None and not frees and master is None:
             raise RuntimeError("zerokern internal error: a quantized gather after the step needs the master")
         self.state = ParamState.GATHERED  # built from whole params
+        self._range = flat.layout.rank_range(flat.rank, b)  # this rank's [start, end) of the buffer
         self._work = None
         if frees:
             self._count(self.buffer.untyped_storage().nbytes())
@@ -71,8 +72,7 @@ class BucketParams:
                           else self.wire.gather_delta(self.comm, buf, self.master, name))
         else:
             if self.frees:
-                start, end = f.layout.rank_range(f.rank, self.b)
-                mine = buf[start:end]
+                mine = buf[self._range[0]:self._range[1]]
                 with torch.no_grad():
                     mine.copy_(f.param_shards[self.b])
             else:

@@ -219,7 +219,7 @@ class _Order(list):
     alive), with each unit's index (`at`), so a hook finds the next one without a scan."""
 
     def __init__(self, units):
-        super().__init__(weakref.ref(u) for u in units)
+        super().__init__(map(weakref.ref, units))
         self.at = {id(u): k for k, u in enumerate(units)}
 
 
@@ -308,9 +308,10 @@ class Stage3Runtime:
     @torch._dynamo.disable  # run eagerly: dynamo, tracing a hook, put the units themselves back into the weak list
     def units(self) -> List[UnitParams]:
         live = [r() for r in self._units]
-        if any(up is None for up in live):
+        if None in live:  # a unit was dropped: its reference goes too
             self._units = [r for r, up in zip(self._units, live) if up is not None]
-        return [up for up in live if up is not None]
+            live = [up for up in live if up is not None]
+        return live
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.gathered_bytes

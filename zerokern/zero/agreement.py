@@ -47,8 +47,8 @@ class StepFlags:
 
     @classmethod
     def unpack(cls, values: List[float], n: int, m: int) -> "StepFlags":
-        """The agreed record from the all-reduced values (n params, m buckets)."""
-        return cls([v > 0 for v in values[:n]], [v > 0 for v in values[n:n + m]], values[n + m:n + 2 * m],
+        """The agreed record from the all-reduced values (n params, m buckets; had and needs are 0 or 1)."""
+        return cls(list(map(bool, values[:n])), list(map(bool, values[n:n + m])), values[n + m:n + 2 * m],
                    (values[-4], -values[-3]), (values[-2], -values[-1]))
 
 

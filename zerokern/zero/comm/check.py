@@ -38,10 +38,12 @@ calling thread, on the user's group; a mismatch is then a hang or an abort again
 """
 
 import collections
+import functools
 import itertools
 import os
 import threading
 import time
+import zlib
 from contextlib import nullcontext
 
 import torch
@@ -52,7 +54,7 @@ from ..core.errors import CollectiveMismatch, RankLost  # noqa: F401  (RankLost:
 from .causes import _GONE, _HINT, _install_excepthook, _post, _post_cause, _rank_lost, explain, posted  # noqa: F401
 from .context import PROCESS
 from .groups import _new_group, _timeout, check_groups  # noqa: F401  (check._new_group, check._timeout: the tests')
-from .rounds import _DEVIATION_KEY, POLL_SECONDS, WINDOW, Plan, Ticket, _code
+from .rounds import _DEVIATION_KEY, POLL_SECONDS, WINDOW, Plan, Ticket
 from .worker import IDLE, STOP, OrderedWorker
 from .works import Pending, finished
 
@@ -69,6 +71,7 @@ class CollectiveCheck:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.groups = check_groups(group)  # the announcements' and the launches' groups, and the timeout
+        self.data = self.groups.data  # the group zerokern's own collectives are launched on
         self.seq = 0  # collectives queued by the caller
         self.rounds = 0  # announcement rounds so far (tests and bench/collective_check.py read it)
         self.plans = (dist.get_backend(group) == "gloo"
@@ -76,15 +79,10 @@ class CollectiveCheck:
         self.plan = Plan()  # what the ranks agreed to ahead, and what was launched lately
         self._unlaunched = 0  # queued for the thread, not launched yet: the caller launches nothing before them
         self._lock = threading.Lock()  # the plan and the count above, between the caller and the thread
-        self._worker = OrderedWorker("zerokern-collectives", serve=self._run)
+        self._worker = OrderedWorker("zerokern-collectives", serve=self._run).start()
         self._error = None  # the first failure: every later collective fails with it
         self._side = {}  # CUDA device index -> the stream launches are made on
         _install_excepthook()  # [Note: the cause, on every rank]
-
-    @property
-    def data(self):
-        """The group zerokern's own collectives are launched on (the same ranks and backend)."""
-        return self.groups.data
 
     @property
     def control(self):
@@ -104,7 +102,7 @@ class CollectiveCheck:
         self.seq += 1
         seq = self.seq
         what = name if tensor is None else f"{name} {tuple(tensor.shape)} {tensor.dtype}"
-        code = _code(what)
+        code = (1 << 32) | zlib.crc32(what.encode())  # its checksum (> 0: 0 is an empty slot)
         with self._lock:
             if tensor is None or blocks:
                 # An object gather's launch blocks until every rank launched it, so one launched from
@@ -130,12 +128,12 @@ class CollectiveCheck:
                     mark.record(torch.cuda.current_stream(device))
                 elif torch.cuda.is_initialized():  # the current device is per thread (NCCL's object gathers use it)
                     device = torch.device("cuda", torch.cuda.current_device())
-                queued = Pending(waits=lambda p: self._wait(p, seq, what))
-                self._worker.hand((seq, what, code, name, launch, device, mark, queued))
+                queued = Pending(waits=functools.partial(self._wait, seq, what))
+                self._worker.queue.put((seq, what, code, name, launch, device, mark, queued))
         if planned is not None:
             try:
                 with record_function(f"zerokern::{name}"):
-                    work = Pending(waits=lambda p: self._wait(p, seq, what), work=launch())
+                    work = Pending(waits=functools.partial(self._wait, seq, what), work=launch())
             except BaseException as e:  # noqa: BLE001  the others launched it: every later collective fails too
                 self._fail(e, seq, what)
                 raise type(self._error)(*self._error.args) from e
@@ -146,7 +144,7 @@ class CollectiveCheck:
             return work
         return queued
 
-    def _wait(self, queued, seq, what):
+    def _wait(self, seq, what, queued):
         """A launched collective's wait. Where plans are on, it gives up when the check failed (a
         rank that left the plan will never make it) or it waited past the timeout ([Note: planned
         collectives]); elsewhere (NCCL) a bounded wait would block the host, so it waits as before."""
@@ -166,7 +164,7 @@ class CollectiveCheck:
     def _wake(self, due: bool) -> None:
         """(Lock held.) due: past the middle of the plan, the thread asks for the next stretch."""
         if due:
-            self._worker.hand(_REFILL)
+            self._worker.queue.put(_REFILL)
 
     def _run(self, worker) -> None:
         """The worker's loop ([Note: announcing in rounds]); returns at exit."""
@@ -332,7 +330,7 @@ class CollectiveCheck:
                 if self.plan.launched_to >= self.plan.refill_at:
                     self.plan.refill_at = None
                     self.plan.refill_due = True
-                    self._worker.hand(_REFILL)
+                    self._worker.queue.put(_REFILL)
         for item, planned_somewhere in launch:  # the caller launches nothing planned until these are (self._unlaunched)
             self._launch_item(item, planned=planned_somewhere)
         while True:  # queued during the round, planned by it

@@ -81,13 +81,12 @@ class ProcessContext:
         """At exit ([Note: exit drain]): the drain's pause, then every worker told to return."""
         if self.drains:
             time.sleep(EXIT_DRAIN_SECONDS)
-        self.stop_relays()
-        stop_all(self.workers)
+        stop_all(self.workers)  # (the groups' relays among them)
 
 
 def stop_all(workers) -> None:
     """Each told first, then each waited for: a moment for all, not one after another."""
-    workers = list(workers)
+    workers = [w for w in workers if not w.stopping]  # (one stopped already was given its moment)
     for w in workers:
         w.stop(join=False)
     for w in workers:

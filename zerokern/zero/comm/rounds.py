@@ -3,7 +3,6 @@ ticket one round all-reduces, packed and unpacked by itself, and the plan's book
 by the caller and the check's thread under the check's lock. No torch.distributed here."""
 
 import collections
-import zlib
 from typing import NamedTuple, Tuple
 
 import torch
@@ -50,10 +49,6 @@ WINDOW = 64
 # plans off.
 POLL_SECONDS = 0.2
 _DEVIATION_KEY = "zerokern/deviation/"
-
-
-def _code(what: str) -> int:
-    return (1 << 32) | zlib.crc32(what.encode())  # > 0: 0 is an empty slot
 
 
 

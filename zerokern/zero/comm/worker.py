@@ -23,11 +23,16 @@ class OrderedWorker:
         self.thread = None
         self.stopping = False
 
-    def hand(self, item):
+    def start(self) -> "OrderedWorker":
+        """(Once; hand() starts it too.) Once started, `queue.put` hands an item over as hand() does."""
         if self.thread is None:
             self.thread = threading.Thread(target=self._loop, name=f"{self.name}-{id(self)}", daemon=True)
             PROCESS.workers.append(self)
             self.thread.start()
+        return self
+
+    def hand(self, item):
+        self.start()
         self.queue.put(item)
         return item
 

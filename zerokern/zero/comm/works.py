@@ -78,8 +78,9 @@ class Then:
             self.work = result if self.launches else DONE
 
     def wait(self):
-        self._start()
-        return self.work.wait()
+        if self.work is None:
+            self._start()
+        return True if self.work is DONE else self.work.wait()
 
     def is_completed(self):
         if self.work is None:  # a result step is run by the waiter: done when first is
@@ -89,8 +90,9 @@ class Then:
     def wait_for(self, seconds) -> bool:
         if self.work is None and not finished(self.first, seconds):
             return False
-        self._start()
-        return finished(self.work, seconds)
+        if self.work is None:
+            self._start()
+        return self.work is DONE or finished(self.work, seconds)
 
 
 class AllOf:
@@ -152,7 +154,9 @@ class Pending:
             raise type(self.error)(*self.error.args) from self.error
 
     def wait(self):
-        self.wait_launched()
+        self.launched.wait()
+        if self.error is not None:  # (wait_launched() inline: every collective with the check on waits here)
+            raise type(self.error)(*self.error.args) from self.error
         return self.work.wait() if self.waits is None else self.waits(self)
 
     def is_completed(self):

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from .works import Finish, _Done
+from .works import DONE, Then
 
 
 # torch 2.14 renamed the flat-tensor collectives; 2.11 has only the old names.
@@ -113,7 +113,7 @@ class Comm:
         if not self.distributed:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
-            return _Done()
+            return DONE
         if wire is not None:
             return self._wired_reduce_scatter(output, input, name, wire)
         return self._launch(name, input, lambda g: _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=g,
@@ -124,7 +124,7 @@ class Comm:
         sharding reads it ([Note: hybrid sharding]), and a quantized reduction that needs only
         this rank's range reduce-scatters into it. wire: as reduce_scatter's."""
         if not self.distributed:
-            return _Done()
+            return DONE
         if wire is not None:
             return self._wired_all_reduce(tensor, name, across, wire)
         return self._launch(name, tensor, lambda g: dist.all_reduce(tensor, op=op, group=g, async_op=True))
@@ -157,12 +157,12 @@ class Comm:
             return run(output, input)
         i = input.to(dtype)
         o = i if output is input else torch.empty(output.shape, dtype=dtype, device=output.device)
-        return Finish(run(o, i), lambda: output.copy_(o))
+        return Then(run(o, i), lambda: output.copy_(o))
 
     def all_gather(self, output, input, name="all_gather"):
         """Async all-gather of every rank's `input` into `output` (input may be output's own slice)."""
         if not self.distributed:
-            return _Done()
+            return DONE
         return self._launch(name, output, lambda g: _all_gather(output, input, group=g, async_op=True))
 
     def _global_rank(self, group_rank):
@@ -171,7 +171,7 @@ class Comm:
     def broadcast(self, tensor, src_rank=0, name="broadcast"):
         """Async broadcast of `tensor` from group rank `src_rank`."""
         if not self.distributed:
-            return _Done()
+            return DONE
         src = self._global_rank(src_rank)
         return self._launch(name, tensor, lambda g: dist.broadcast(tensor, src=src, group=g, async_op=True))
 
@@ -219,6 +219,6 @@ class Comm:
 
         def start(group):
             dist.all_gather_object(out, obj, group=group)
-            return _Done()
+            return DONE
         self.wait(self._launch(name, None, start))
         return out

@@ -10,14 +10,9 @@ import torch.distributed as dist
 from . import check as collective_check
 from . import exit_drain
 from .base import Comm
+from .context import PROCESS
 from .gloo import GlooComm
 from .hybrid import HybridComm, describe, resolve_mesh
-
-# the HybridComm of a mesh's groups, per (shard group, replica group): every shard() call and the
-# optimizer share one, so its byte count covers every unit
-_COMMS = {}
-# every rank's host (host_of) per group, agreed once: group -> hosts
-_HOSTS = {}
 
 
 def make_comm(process_group=None) -> Comm:
@@ -73,10 +68,10 @@ def this_host() -> Tuple[str, Optional[str]]:
 
 def _hosts(comm):
     """Every rank's this_host() in `comm`'s group, gathered once per group."""
-    entry = _HOSTS.get(id(comm.group))
-    if entry is None or entry[0] is not comm.group:
-        entry = _HOSTS[id(comm.group)] = (comm.group, comm.gather_objects(this_host(), name="hosts"))
-    return entry[1]
+    ctx = PROCESS.of(comm.group)
+    if ctx.hosts is None:
+        ctx.hosts = comm.gather_objects(this_host(), name="hosts")
+    return ctx.hosts
 
 
 def mesh_comm(mesh, process_group, device_type: str):
@@ -96,13 +91,14 @@ def mesh_comm(mesh, process_group, device_type: str):
         raise ValueError(f"zerokern: the mesh {tuple(mesh.mesh.shape)} has a shard dim of size 1, so nothing would "
                          "be sharded; that is data parallelism (zero_stage=0 over the world, or DDP)")
     key = (id(shard_group), id(replica_group))
-    cached = _COMMS.get(key)
+    # every shard() call and the optimizer share one HybridComm, so its byte count covers every unit
+    cached = PROCESS.hybrids.get(key)
     if cached is not None and cached.shards.group is shard_group and cached.replicas.group is replica_group:
         return cached
     shards = make_comm(shard_group)
     if dist.get_world_size(replica_group) == 1:
         return shards
-    _COMMS[key] = comm = HybridComm(world, shards, make_comm(replica_group), description)
+    PROCESS.hybrids[key] = comm = HybridComm(world, shards, make_comm(replica_group), description)
     return comm
 
 

@@ -13,63 +13,15 @@ gathers host by host instead ([Note: collectives across hosts]), so that the slo
 more than DDP's all-reduce puts on it.
 """
 
-import atexit
-import itertools
-import queue
-import threading
-import time
 from typing import Hashable, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .base import Comm
-from .works import finished
-
-
-class _AllOf:
-    """Several collectives that together make one (the broadcasts of a gather)."""
-
-    def __init__(self, works):
-        self.works = works
-
-    def wait(self):
-        for w in self.works:
-            w.wait()
-        return True
-
-    def is_completed(self):
-        return all(w.is_completed() for w in self.works)
-
-    def wait_for(self, seconds) -> bool:
-        return _all_finished(self.works, seconds)
-
-
-def _all_finished(works, seconds) -> bool:
-    """Waits up to `seconds` in all for `works`: True once every one completed."""
-    deadline = time.monotonic() + seconds
-    return all(finished(w, deadline - time.monotonic()) for w in works)
-
-
-class _SumOnWait:
-    """The exchange of a 2-rank reduce-scatter: when it is waited for, this rank's own part is
-    added to the peer's part that arrived in `output`."""
-
-    def __init__(self, works, output, own):
-        self.works, self.output, self.own = works, output, own
-
-    def wait(self):
-        for w in self.works:
-            w.wait()
-        self.output.add_(self.own)
-        self.works = []
-        return True
-
-    def is_completed(self):
-        return all(w.is_completed() for w in self.works)
-
-    def wait_for(self, seconds) -> bool:
-        return _all_finished(self.works, seconds)
+from .context import PROCESS
+from .worker import OrderedWorker
+from .works import DONE, AllOf, Pending, Then
 
 
 # [Note: collectives across hosts] A flat group over several hosts (each with a slow link to
@@ -154,84 +106,37 @@ class HostPlan:
 # waiting on each other. The messages of one collective carry the tags of its chunks (base +
 # chunk: a pair of ranks exchanges a chunk once per collective), so they pair with nothing
 # else on the group. The thread keeps no tensor once a collective is done ([Note: exit drain]).
-_RELAYS = {}
 
 
-class _Relayed:
-    """A collective the relay thread runs; Work-like."""
+class _Relays:
+    """(A view, for the tests: each group's relay as (its queue, its thread); the workers are the
+    groups' contexts', comm/context.py.)"""
 
-    def __init__(self):
-        self._done = threading.Event()
-        self._error = None
+    def values(self):
+        return [(g.relay.queue, g.relay.thread) for g in list(PROCESS.groups.values()) if g.relay is not None]
 
-    def wait(self):
-        self._done.wait()
-        if self._error is not None:  # a new one per waiter, as the check's _Queued does
-            raise type(self._error)(*self._error.args)
-        return True
-
-    def is_completed(self):
-        return self._done.is_set()
-
-    def wait_for(self, seconds) -> bool:
-        """Bounded ([Note: planned collectives] in check.py): the relay thread's p2p waits are not."""
-        return self._done.wait(seconds)
+    def __bool__(self):
+        return bool(self.values())
 
 
-def _relay_loop(jobs):
-    while True:
-        job = jobs.get()
-        if job is _STOP:
-            return
-        run, work = job
-        try:
-            run()
-        except BaseException as e:  # noqa: BLE001  handed to the waiter
-            work._error = e
-        work._done.set()
-        del run, work, job  # [Note: the relay thread]: nothing held while idle
+_RELAYS = _Relays()
 
 
-_STOP = None  # queued at exit: the thread returns
+def _relayed(group, run) -> Pending:
+    """run() on the group's relay, after the collectives handed to it before."""
+    ctx = PROCESS.of(group)
+    if ctx.relay is None:
+        ctx.relay = OrderedWorker("zerokern-relay")
+    return ctx.relay.hand(Pending(job=lambda: (run(), DONE)[1]))
 
 
-def _stop_relays() -> None:
-    """At exit, before Python finalizes: each relay thread is told to return once the collectives
-    queued before it are done, and given a moment to (one blocked on a peer that is gone stays
-    there, holding nothing), so none is still inside gloo when the interpreter finalizes ([Note:
-    exit drain])."""
-    for jobs, thread in list(_RELAYS.values()):
-        jobs.put(_STOP)
-    for jobs, thread in list(_RELAYS.values()):
-        thread.join(timeout=1.0)
-    _RELAYS.clear()
-
-
-atexit.register(_stop_relays)
-
-
-def _relayed(group, run) -> _Relayed:
-    if group not in _RELAYS:
-        jobs = queue.SimpleQueue()
-        thread = threading.Thread(target=_relay_loop, args=(jobs,), name="zerokern-relay", daemon=True)
-        _RELAYS[group] = jobs, thread
-        thread.start()
-    jobs = _RELAYS[group][0]
-    work = _Relayed()
-    jobs.put((run, work))
-    return work
+_stop_relays = PROCESS.stop_relays  # (at exit: context.shutdown; the tests call it too)
 
 
 def _wait_all(works):
     """Each once: a second wait() on a gloo p2p Work waits for a message that never comes."""
     for w in works:
         w.wait()
-
-
-# p2p tags, one counter per process group: the members of a group issue the same collectives on
-# it in the same order ([Note: one collective order]), so both sides of an exchange get the same
-# tag, also where a rank belongs to several groups.
-_TAGS = {}
 
 
 class GlooComm(Comm):
@@ -270,7 +175,7 @@ class GlooComm(Comm):
     def _p2p(self, group):
         """isend/irecv of chunk-tagged messages for one collective on `group` ([Note: the relay thread])."""
         span = (1 << 30) // self.world_size
-        base = (next(_TAGS.setdefault(group, itertools.count())) % span) * self.world_size
+        base = (next(PROCESS.of(group).tags) % span) * self.world_size
 
         def send(tensor, dst, chunk):
             return dist.isend(tensor, self._global_rank(dst), group=group, tag=base + chunk)
@@ -340,7 +245,8 @@ class GlooComm(Comm):
         sizes[peer] = n
         work = dist.all_to_all_single(output, input[peer * n:(peer + 1) * n], output_split_sizes=sizes,
                                       input_split_sizes=sizes, group=group, async_op=True)
-        return _SumOnWait([work], output, input[self.rank * n:(self.rank + 1) * n])
+        own = input[self.rank * n:(self.rank + 1) * n]
+        return Then(work, lambda: output.add_(own))
 
     def all_gather(self, output, input, name="all_gather"):
         if self._relays(output, input) and output.numel() == input.numel() * self.world_size:
@@ -348,7 +254,7 @@ class GlooComm(Comm):
         if self._gathers_by_broadcast(output, input):
             n = input.numel()
             srcs = [self._global_rank(r) for r in range(self.world_size)]
-            return self._launch(name, output, lambda g: _AllOf([
+            return self._launch(name, output, lambda g: AllOf([
                 dist.broadcast(output[r * n:(r + 1) * n], src=srcs[r], group=g, async_op=True)
                 for r in range(self.world_size)]))
         return super().all_gather(output, input, name)

@@ -34,93 +34,38 @@ it: an all-reduce whose result is read in place), `read` is None and the whole r
 waited for.
 """
 
-import queue
-import threading
 import time
 from typing import Tuple
 
 import torch.distributed as dist
 
 from . import wire as wire_comm
-from .works import Callback
+from .context import PROCESS
+from .worker import OrderedWorker
+from .works import Pending, Then
 
 
 NAMES = ("replicate", "shard")
-# the DeviceMesh zerokern made for a (replicate, shard) pair, per default group (a new
-# init_process_group makes new ones): every shard() call and the optimizer share one
-_MESHES = {}
 
 
-class _Then:
+def _Then(first, launch, frees_input) -> Then:
     """A collective launched only when the one before it is waited for (collective check off),
     or its input released ([Note: reading the input])."""
-
-    def __init__(self, first, second, frees_input):
-        self.first, self.second, self.work = first, second, None
-        self.read = Callback(self._start) if frees_input else None
-
-    def _start(self):
-        if self.work is None:
-            self.first.wait()
-            self.work = self.second()
-
-    def wait(self):
-        self._start()
-        return self.work.wait()
-
-    def is_completed(self):
-        return self.work is not None and self.work.is_completed()
+    return Then(first, launch, launches=True, reads=frees_input)
 
 
-class _Hop:
-    """A replica hop handed to the relay ([Note: the replica hop's thread]): launch() once `first`
-    is done. Work-like, with `read` ([Note: reading the input])."""
-
-    def __init__(self, first, launch, frees_input):
-        self.first, self.launch = first, launch
-        self.work = self.error = None
-        self.launched = threading.Event()
-        self.read = Callback(self.wait_launched) if frees_input else None
-
-    def run(self) -> None:  # (on the relay)
-        try:
-            self.first.wait()
-            self.work = self.launch()
-        except BaseException as e:  # noqa: BLE001  raised to the waiter
-            self.error = e
-        self.launched.set()
-
-    def wait_launched(self) -> None:
-        self.launched.wait()
-        if self.error is not None:
-            raise self.error
-
-    def wait(self):
-        self.wait_launched()
-        return self.work.wait()
-
-    def is_completed(self):
-        return self.launched.is_set() and (self.error is not None or self.work.is_completed())
+def _Hop(first, launch, frees_input) -> Pending:
+    """A replica hop for the relay ([Note: the replica hop's thread]): launch() once `first` is
+    done; `read` is done once it launched ([Note: reading the input])."""
+    def job():
+        first.wait()
+        return launch()
+    return Pending(job=job, reads=frees_input)
 
 
-class _Relay:
-    """The thread that launches a HybridComm's replica hops, in order ([Note: the replica hop's
-    thread]); started with the first hop."""
-
-    def __init__(self):
-        self._queue = queue.SimpleQueue()
-        self._thread = None
-
-    def hand(self, hop: _Hop) -> _Hop:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=f"zerokern-relay-{id(self)}", daemon=True)
-            self._thread.start()
-        self._queue.put(hop)
-        return hop
-
-    def _run(self) -> None:
-        while True:
-            self._queue.get().run()
+def _Relay() -> OrderedWorker:
+    """The thread that launches a HybridComm's replica hops, in order; started with the first hop."""
+    return OrderedWorker("zerokern-relay")
 
 
 def describe(mesh) -> Tuple:
@@ -143,10 +88,13 @@ def resolve_mesh(mesh, process_group, device_type: str):
             raise ValueError(f"zerokern: mesh=({r}, {s}) (replicate, shard) has {r * s} ranks, but the world has "
                              f"{world}: the sizes must multiply to the world size (hosts x ranks per host)")
         key = (device_type, r, s, id(dist.distributed_c10d._get_default_group()))
-        if key not in _MESHES:
+        # one per (replicate, shard) pair and default group (a new init_process_group makes new
+        # ones): every shard() call and the optimizer share it
+        meshes = PROCESS.meshes
+        if key not in meshes:
             from torch.distributed.device_mesh import init_device_mesh
-            _MESHES[key] = init_device_mesh(device_type, (r, s), mesh_dim_names=NAMES)
-        return _MESHES[key]
+            meshes[key] = init_device_mesh(device_type, (r, s), mesh_dim_names=NAMES)
+        return meshes[key]
     from torch.distributed.device_mesh import DeviceMesh
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"zerokern: mesh must be a 2-D DeviceMesh with dims named {NAMES} or a (replicate, shard) "

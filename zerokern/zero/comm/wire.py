@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 
 from ...kernels import wire, wire_ops
-from .works import Finish, _Done
+from .works import DONE, Then
 
 # torch 2.14 renamed the flat-tensor all-gather; 2.11 has only the old name
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -262,7 +262,7 @@ def reduce_scatter(output, input, group, rank: int, world: int, w: GradWire):
         acc = _decode_sum(recv, w, chunk, n, world, rank, own, into)
         if into is None:
             output.copy_(acc.view_as(output))
-    return Finish(work, finish)
+    return Then(work, finish)
 
 
 def all_reduce(tensor, group, rank: int, world: int, w: GradWire):
@@ -287,7 +287,7 @@ def all_reduce(tensor, group, rank: int, world: int, w: GradWire):
                 wire_ops.decode_(both[r * size:r * size + wire.nbytes(n, w.bits)], n, w.bits, acc, accumulate=r > 0)
             if into is None:
                 tensor.copy_(acc.view_as(tensor))
-        return Finish(work, finish)
+        return Then(work, finish)
     c = -(-n // world)  # chunk r: [r c, min(n, (r + 1) c)); the last ones may be short or empty
     bounds = [(min(n, r * c), min(n, (r + 1) * c)) for r in range(world)]
     chunk = stride(c, w.bits)
@@ -314,4 +314,4 @@ def all_reduce(tensor, group, rank: int, world: int, w: GradWire):
             wire_ops.decode_(gathered[r * chunk:r * chunk + wire.nbytes(hi - lo, w.bits)], hi - lo, w.bits, out)
             if into is None:
                 flat[lo:hi].copy_(out)
-    return _Done()
+    return DONE

@@ -47,7 +47,7 @@ import zlib
 import torch
 
 from ...kernels import wire, wire_ops
-from ..comm.works import Finish
+from ..comm.works import Then
 
 BITS = {"int8": 8}
 _STREAM = 2  # the wire's streams: 0 and 1 are the grad reductions' (comm/wire.py)
@@ -92,7 +92,7 @@ class ParamWire:
         mine = data[self.rank * self.chunk:(self.rank + 1) * self.chunk]
         wire_ops.encode_(x, mine[:wire.nbytes(self.n, self.bits)], self.bits, 0, self.updates, _STREAM, self.base)
         work = comm.all_gather(data, mine, name=name)
-        return Finish(work, lambda: self._decode(data, buf, add))
+        return Then(work, lambda: self._decode(data, buf, add))
 
     def _decode(self, data, buf, add: bool) -> None:
         """Each rank's slice from its bytes, in rank order; the owner's too."""

@@ -13,8 +13,9 @@ element's update depends on that element's grad and state only: SGD, Adam, AdamW
 RMSprop, ...) the pieces together give exactly the numbers of the same optimizer on whole
 params. One that reads whole tensors (Adafactor's row and column statistics, LAMB's trust ratio,
 LBFGS, Muon's orthogonalised matrices) would not, and is refused, with the reason for the ones
-torch ships (_WHOLE_TENSOR), also when vouched for with elementwise=True; but Muon runs on one
-process, where every piece is a whole param ([Note: whole matrices on one process]).
+torch ships (_WHOLE_TENSOR), also when vouched for with elementwise=True; but Muon runs, each of
+its params laid out whole on one rank that steps it ([Note: whole matrices on their owners] in
+optim/whole_state.py).
 
 State: the inner optimizer's, per piece (every trainable param has a piece on every rank, an
 empty one where the rank holds none of its elements), made at construction as the first step
@@ -33,13 +34,12 @@ state in self.state[p] as views of the file ([Note: inner state on disk] in opti
 """
 
 import torch
-import torch.distributed as dist
 
-from . import inner_state, wire_checkpoint
+from . import inner_state, whole_state, wire_checkpoint
 from .inner_stream import InnerStream
 from . import state_dict as checkpoint
 from ..zero.engine import ZeroEngine
-from ..zero.unit import unit_of
+from ..zero.core.whole_matrices import WholeMatrices
 from .engine_optimizer import EngineOptimizer
 from .zero_setup import validated_groups
 
@@ -56,14 +56,11 @@ _WHOLE_TENSOR = {
     "LBFGS": "takes its steps along directions built from every param's whole gradient (and re-evaluates the "
              "loss)",
 }
-# [Note: whole matrices on one process] Of the whole-tensor classes, Muon runs where every param
-# is whole on the rank that steps it: on one process (a group of one) each rank's piece of a param
-# is the whole param, so the inner optimizer gets it in the param's shape, a view of the fp32
-# master, and its own code (momentum, Newton-Schulz, adjust_lr_fn, weight decay) gives the numbers
-# torch.optim.Muon gives, bit for bit. On several processes it needs the matrix-whole layout
-# (zero/core/matrix_layout.py; docs/matrix_optimizers.md), not wired into the units yet, so it is
-# refused there before anything is built. Not on disk either: InnerStream steps chunks of pieces.
-_WHOLE_MATRIX = ("Muon",)
+# Of the whole-tensor classes, Muon runs where every param is whole on the rank that steps it: one
+# rank's piece is the whole param, in its shape, and its own code (momentum, Newton-Schulz,
+# adjust_lr_fn, weight decay) gives torch.optim.Muon's numbers ([Note: whole matrices on their
+# owners] in optim/whole_state.py). The value: the per-matrix cost its owners are balanced by.
+_WHOLE_MATRIX = {"Muon": "muon"}
 _SHARDING = ("zero_stage", "process_group", "bucket_cap_mb", "overlap_comm", "offload", "overlap_param_gather",
              "mesh", "reduce_precision", "gather_precision")
 
@@ -83,7 +80,7 @@ class ZeroOptimizer(EngineOptimizer):
             raise TypeError(f"ZeroOptimizer: optimizer_class must be a torch.optim.Optimizer class, got "
                             f"{optimizer_class!r}")
         why = _WHOLE_TENSOR.get(optimizer_class.__name__) if optimizer_class.__module__.startswith("torch.") else None
-        # [Note: whole matrices on one process]
+        # [Note: whole matrices on their owners]
         self._whole = why is not None and optimizer_class.__name__ in _WHOLE_MATRIX
         if why is not None and not self._whole:
             raise ValueError(
@@ -120,13 +117,18 @@ class ZeroOptimizer(EngineOptimizer):
         super().__init__(validated_groups(params), defaults)
         self._constructing = False
         names = {p: n for g in self.param_groups for p, n in zip(g["params"], g.get("param_names", ()))}
+        matrices = None  # the params stepped whole, where the layout must keep them so
         if self._whole:
-            _check_whole_matrices(optimizer_class, why, self.param_groups, names, sharding)
+            mine = [(k, p) for k, p in enumerate(p for g in self.param_groups for p in g["params"]) if p.requires_grad]
+            if whole_state.check_whole_matrices(optimizer_class.__name__, why, mine, names, sharding):
+                matrices = WholeMatrices.of(_WHOLE_MATRIX[optimizer_class.__name__], [p for _, p in mine])
+        self.matrices_stepped = 0  # matrices this rank ran the inner optimizer on, all steps together
         # the inner optimizer's per-element state: what OffloadPolicy(device="nvme") keeps on disk
         elements = inner_state.element_keys(optimizer_class, kwargs, self.param_groups, self._probe_shape)
         self.engine = ZeroEngine(self, [g["params"] for g in self.param_groups], names, state_keys=(),
                                  what="ZeroOptimizer", options=repr((optimizer_class.__name__, kwargs)),
-                                 disk_state_keys=[k for k, dt in elements.items() if dt == torch.float32], **sharding)
+                                 disk_state_keys=[k for k, dt in elements.items() if dt == torch.float32],
+                                 matrices=matrices, **sharding)
         trainable = self.engine.trainable
         group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
         # per trainable param: (store index, shard offset, numel, start in the flattened param). Every
@@ -193,7 +195,10 @@ class ZeroOptimizer(EngineOptimizer):
             grads.append(g)
         for t, piece in self._piece.items():
             s, off, n, _ = self._where[t]
+            if self._whole and n == 0:  # another rank owns the matrix ([Note: whole matrices on their owners])
+                continue
             piece.grad = grads[s][off:off + n].view(piece.shape) if had[t] else None
+            self.matrices_stepped += self._whole and had[t]
         self.inner.step()
         for piece in self._piece.values():
             piece.grad = None
@@ -231,6 +236,9 @@ class ZeroOptimizer(EngineOptimizer):
             for v in st.values():
                 if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == n:
                     checkpoint.mark_slice(v, start, n, numel)
+        if self._whole and self.strategy.shards_state:  # [Note: whole state in checkpoints]: a collective
+            whole_state.gather_from_owners(self.engine.comm, [(sd["state"][index[p]], self._piece[t], self._shape(t))
+                                                              for t, p in enumerate(self.engine.trainable)])
         checkpoint.add_error_feedback(self, sd["state"])  # quantized reductions: a collective
         return sd
 
@@ -243,11 +251,14 @@ class ZeroOptimizer(EngineOptimizer):
 
     def _piece_shape(self, t):
         """The inner optimizer's view of trainable param t's piece: the param's shape where a
-        whole-matrix optimizer runs ([Note: whole matrices on one process]), else 1-D."""
+        whole-matrix optimizer runs, an empty (0, n) one on the ranks that do not own it ([Note:
+        whole matrices on their owners]), else 1-D."""
         _, _, n, start = self._where[t]
         if not self._whole:
             return (n,)
-        if start != 0 or n != self._numel(t):  # _check_whole_matrices let only one process through
+        if n == 0:
+            return (0, self._shape(t)[-1])
+        if start != 0 or n != self._numel(t):  # the matrix layout keeps every matrix whole
             raise RuntimeError(f"ZeroOptimizer: {self._member(t)[1] or f'param {t}'} is split across ranks "
                                f"([{start}, {start + n}) of {self._numel(t)} here), which "
                                f"{self.optimizer_class.__name__} cannot run on")
@@ -322,30 +333,3 @@ class ZeroOptimizer(EngineOptimizer):
         rep["total"] += inner
         return rep
 
-
-def _check_whole_matrices(optimizer_class, why, groups, names, sharding):
-    """[Note: whole matrices on one process]: raise, naming the culprit, unless every trainable
-    param is 2-D and the params are sharded over one process, in memory."""
-    cls = optimizer_class.__name__
-    params = [p for g in groups for p in g["params"]]
-    for k, p in enumerate(params):
-        if p.requires_grad and p.dim() != 2:
-            name = f"params[{k}] ({names[p]!r})" if p in names else f"params[{k}]"
-            raise ValueError(f"ZeroOptimizer: {cls} {why}, and takes 2-D params only: {name} has shape "
-                             f"{list(p.shape)}. Give this ZeroOptimizer the 2-D hidden weights only, and the other "
-                             "params (embeddings, norms, biases) another optimizer")
-    units = [u for u in (unit_of(p) for p in params if p.requires_grad) if u is not None]
-    if units:
-        world, offload, mesh = units[0].comm.world_size, units[0].config.offload, None
-    else:
-        group, offload, mesh = sharding.get("process_group"), sharding.get("offload"), sharding.get("mesh")
-        world = dist.get_world_size(group) if group is not None or (dist.is_available() and dist.is_initialized()) \
-            else 1
-    if mesh is not None or world > 1:
-        raise ValueError(f"ZeroOptimizer: {cls} {why}. On one process every param is whole and it runs; on "
-                         f"{'a mesh' if mesh is not None else f'{world} processes'} it needs the matrix-whole layout "
-                         "(zerokern/zero/core/matrix_layout.py), not wired into the runtime yet (issue 51). Train "
-                         "it without ZeroOptimizer (plain DDP) for now")
-    if getattr(offload, "device", None) == "nvme":
-        raise ValueError(f"ZeroOptimizer: {cls} {why}, and OffloadPolicy(device='nvme') steps chunks of the params; "
-                         "use OffloadPolicy(device='cpu') or none")

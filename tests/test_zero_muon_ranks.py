@@ -6,6 +6,7 @@ rank alike bit for bit; the counter sums to the matrices x steps, under no_sync 
 dict is torch's layout both ways."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -151,3 +152,88 @@ def test_state_dict_is_torch_muons_both_ways(stage):
         assert shapes == [list(p.shape) for p in model.parameters()], "the whole momentum on every rank"
         assert all(one), "torch.optim.Muon resumed from it"
         assert all(again), "a 2-rank ZeroOptimizer resumed from torch's"
+
+
+class _Block(nn.Module):
+    """What users give Muon and AdamW: 2-D hidden weights, and biases, a norm and an embedding."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 9)
+        self.up = nn.Linear(9, 21)
+        self.norm = nn.LayerNorm(21)
+        self.down = nn.Linear(21, 9, bias=False)
+        self.head = nn.Linear(9, 3)
+
+    def forward(self, x):
+        return self.head(self.down(torch.tanh(self.norm(self.up(self.emb(x))))))
+
+
+def _mixed_groups(model, muon_class):
+    hidden = [p for n, p in model.named_parameters() if p.dim() == 2 and n.split(".")[0] in ("up", "down")]
+    rest = [p for p in model.parameters() if not any(p is q for q in hidden)]
+    return [{"params": hidden, "optimizer": muon_class, **OPTIONS}, {"params": rest, "lr": 3e-3, "betas": (0.8, 0.9)}]
+
+
+def _mixed(rank, world, stage):
+    torch.manual_seed(5)
+    ref = _Block()
+    model = copy.deepcopy(ref)
+    groups = _mixed_groups(ref, None)
+    ref_opts = [torch.optim.Muon(groups[0]["params"], **OPTIONS),
+                torch.optim.AdamW(groups[1]["params"], lr=3e-3, betas=(0.8, 0.9), weight_decay=0.05)]
+    opt = zerokern.ZeroOptimizer(_mixed_groups(model, torch.optim.Muon), torch.optim.AdamW, weight_decay=0.05,
+                                 zero_stage=stage, bucket_cap_mb=1e-3)
+    g = torch.Generator().manual_seed(6)
+    for _ in range(STEPS):
+        x = torch.randint(0, 11, (8, 5), generator=g)
+        for o in ref_opts:
+            o.zero_grad()
+        ref(x).square().mean().backward()
+        for o in ref_opts:
+            o.step()
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+    sd = opt.state_dict()
+    classes = [grp["optimizer"] for grp in sd["param_groups"][:1]]
+    return diff, opt.matrices_stepped, [p.detach().clone() for p in model.parameters()], classes
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_muon_and_adamw_groups_are_one_process_muon_and_adamw(stage):
+    out = dist_harness.values(dist_harness.run(_mixed, 2, stage, timeout=180))
+    for rank, (diff, _, _, classes) in enumerate(out):
+        assert diff <= TOL[torch.float32], f"rank {rank}: {diff} from one-process Muon + AdamW"
+        assert classes == [torch.optim.Muon]
+    assert sum(o[1] for o in out) == STEPS * 2, "the two hidden matrices, once a step, over the ranks"
+    for p, q in zip(out[0][2], out[1][2]):
+        assert torch.equal(p, q), "every rank's params bit for bit"
+
+
+def _bad_group(rank, world, which):
+    torch.manual_seed(5)
+    model = _Block()
+    groups = _mixed_groups(model, torch.optim.Muon)
+    if which == "1-D":
+        named = dict(model.named_parameters())  # (name, param) pairs: torch keeps the names as "param_names"
+        groups[0]["params"] = [(n, named[n]) for n in ("up.weight", "down.weight", "up.bias")]
+        groups[1]["params"] = [(n, p) for n, p in named.items() if n not in ("up.weight", "down.weight", "up.bias")]
+    else:
+        groups[0]["params"] = []
+    before = [p.data_ptr() for p in model.parameters()]
+    try:
+        zerokern.ZeroOptimizer(groups, torch.optim.AdamW, zero_stage=2)
+    except ValueError as e:
+        return str(e), before == [p.data_ptr() for p in model.parameters()]
+    return None, None
+
+
+@pytest.mark.parametrize("which, message", [
+    ("1-D", r"Muon orthogonalises .* takes 2-D params only: params\[2\] \('up.bias'\) has shape \[21\]"),
+    ("empty", r"param group 0 \(Muon\) has no params")])
+def test_a_bad_muon_group_is_refused_on_every_rank_by_name(which, message):
+    for text, untouched in dist_harness.values(dist_harness.run(_bad_group, 2, which, timeout=120)):
+        assert text is not None and re.search(message, text), text
+        assert untouched, "refused before the engine took the params"

@@ -1,5 +1,5 @@
-"""zerokern.ZeroOptimizer(params, torch.optim.Muon) on one process ([Note: whole matrices on one
-process] in zerokern/optim/zero_optimizer.py): every param whole, the inner Muon steps it in its
+"""zerokern.ZeroOptimizer(params, torch.optim.Muon) on one process ([Note: whole matrices on their
+owners] in zerokern/optim/whole_state.py): every param whole, the inner Muon steps it in its
 own shape, bit for bit torch.optim.Muon's numbers; its state dict is torch's layout both ways; and
 what it refuses (a non-2-D param, shard() units on several processes), naming the culprit, on
 every rank."""

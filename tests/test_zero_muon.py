@@ -1,7 +1,8 @@
-"""zerokern.ZeroOptimizer(params, torch.optim.Muon) on one process ([Note: whole matrices on one
-process] in zerokern/optim/zero_optimizer.py): every param whole, the inner Muon steps it in its
+"""zerokern.ZeroOptimizer(params, torch.optim.Muon) on one process ([Note: whole matrices on their
+owners] in zerokern/optim/whole_state.py): every param whole, the inner Muon steps it in its
 own shape, bit for bit torch.optim.Muon's numbers; its state dict is torch's layout both ways; and
-what it refuses (a non-2-D param, several processes), naming the culprit, on every rank."""
+what it refuses (a non-2-D param, shard() units on several processes), naming the culprit, on
+every rank."""
 
 import copy
 
@@ -116,21 +117,22 @@ def test_adafactor_is_still_refused():
 
 
 def _two_ranks(rank, world):
-    """On 2 processes Muon is refused (the matrix layout is not wired in), on every rank alike,
-    before anything is built: the model's params are untouched."""
+    """On 2 processes Muon's params must be laid out by the optimizer (each matrix whole on one
+    rank: tests/test_zero_muon_ranks.py); units zerokern.shard() laid out before are refused, on
+    every rank alike."""
     model = _model()
-    before = [p.data_ptr() for p in model.parameters()]
+    zerokern.shard(model, stage=2)
     try:
-        zerokern.ZeroOptimizer(model.parameters(), torch.optim.Muon, zero_stage=2, lr=0.02)
+        zerokern.ZeroOptimizer(model.parameters(), torch.optim.Muon, lr=0.02)
     except ValueError as e:
-        return str(e), before == [p.data_ptr() for p in model.parameters()]
-    return None, None
+        return str(e)
+    return None
 
 
-def test_several_processes_are_refused_on_every_rank():
-    for text, untouched in dist_harness.values(dist_harness.run(_two_ranks, 2, timeout=120)):
-        assert text is not None and "on 2 processes it needs the matrix-whole layout" in text, text
-        assert untouched, "refused before the engine took the params"
+def test_shard_units_on_several_processes_are_refused_on_every_rank():
+    for text in dist_harness.values(dist_harness.run(_two_ranks, 2, timeout=120)):
+        assert text is not None and "on 2 processes its params are laid out whole in one rank's shard" in text, text
+        assert "Pass the params without shard(), at zero_stage 1 or 2" in text, text
 
 
 def test_state_on_disk_is_refused(tmp_path):

@@ -13,8 +13,9 @@ element's update depends on that element's grad and state only: SGD, Adam, AdamW
 RMSprop, ...) the pieces together give exactly the numbers of the same optimizer on whole
 params. One that reads whole tensors (Adafactor's row and column statistics, LAMB's trust ratio,
 LBFGS, Muon's orthogonalised matrices) would not, and is refused, with the reason for the ones
-torch ships (_WHOLE_TENSOR), also when vouched for with elementwise=True; but Muon runs on one
-process, where every piece is a whole param ([Note: whole matrices on one process]).
+torch ships (_WHOLE_TENSOR), also when vouched for with elementwise=True; but Muon runs, each of
+its params laid out whole on one rank that steps it ([Note: whole matrices on their owners] in
+optim/whole_state.py).
 
 State: the inner optimizer's, per piece (every trainable param has a piece on every rank, an
 empty one where the rank holds none of its elements), made at construction as the first step
@@ -33,13 +34,13 @@ state in self.state[p] as views of the file ([Note: inner state on disk] in opti
 """
 
 import torch
-import torch.distributed as dist
 
-from . import inner_state, wire_checkpoint
+from . import inner_set, inner_state, whole_state, wire_checkpoint
+from .inner_set import InnerSet
 from .inner_stream import InnerStream
 from . import state_dict as checkpoint
 from ..zero.engine import ZeroEngine
-from ..zero.unit import unit_of
+from ..zero.core.whole_matrices import WholeMatrices
 from .engine_optimizer import EngineOptimizer
 from .zero_setup import validated_groups
 
@@ -56,14 +57,20 @@ _WHOLE_TENSOR = {
     "LBFGS": "takes its steps along directions built from every param's whole gradient (and re-evaluates the "
              "loss)",
 }
-# [Note: whole matrices on one process] Of the whole-tensor classes, Muon runs where every param
-# is whole on the rank that steps it: on one process (a group of one) each rank's piece of a param
-# is the whole param, so the inner optimizer gets it in the param's shape, a view of the fp32
-# master, and its own code (momentum, Newton-Schulz, adjust_lr_fn, weight decay) gives the numbers
-# torch.optim.Muon gives, bit for bit. On several processes it needs the matrix-whole layout
-# (zero/core/matrix_layout.py; docs/matrix_optimizers.md), not wired into the units yet, so it is
-# refused there before anything is built. Not on disk either: InnerStream steps chunks of pieces.
-_WHOLE_MATRIX = ("Muon",)
+# Of the whole-tensor classes, Muon runs where every param is whole on the rank that steps it: one
+# rank's piece is the whole param, in its shape, and its own code (momentum, Newton-Schulz,
+# adjust_lr_fn, weight decay) gives torch.optim.Muon's numbers ([Note: whole matrices on their
+# owners] in optim/whole_state.py). The value: the per-matrix cost its owners are balanced by.
+_WHOLE_MATRIX = {"Muon": "muon"}
+# [Note: mixed groups] Muon is for 2-D hidden weights, AdamW for the rest; users write it as torch's
+# param groups with the class per group under "optimizer", the positional class the default:
+#     ZeroOptimizer([{"params": hidden, "optimizer": torch.optim.Muon, "lr": 0.02}, {"params": rest}],
+#                   torch.optim.AdamW, lr=3e-4, zero_stage=2)
+# One optimizer to LR schedulers, GradScaler, clip_grad_norm_ and checkpoints, one engine. **defaults
+# are the default class's; a group with its own class takes its own keys and that class's defaults
+# (checked by a throwaway instance, as the default class's are). Each class runs as its own torch
+# optimizer over its groups (InnerSet, optim/inner_set.py). "optimizer" stays in the group, and in
+# state dicts; load_state_dict refuses a group saved with another class.
 _SHARDING = ("zero_stage", "process_group", "bucket_cap_mb", "overlap_comm", "offload", "overlap_param_gather",
              "mesh", "reduce_precision", "gather_precision")
 
@@ -75,60 +82,46 @@ class ZeroOptimizer(EngineOptimizer):
     **defaults)
 
     Trains params with optimizer_class(**defaults) on this rank's fp32 shards (see the module
-    docstring). The sharding options and the .grad rules are FusedZeroAdam's. elementwise=True
+    docstring); a param group may name its own class under "optimizer" ([Note: mixed groups]). The sharding options and the .grad rules are FusedZeroAdam's. elementwise=True
     vouches for an optimizer class not known here to update each element on its own."""
 
     def __init__(self, params, optimizer_class, *, max_grad_norm=None, elementwise=None, **kwargs):
-        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
-            raise TypeError(f"ZeroOptimizer: optimizer_class must be a torch.optim.Optimizer class, got "
-                            f"{optimizer_class!r}")
-        why = _WHOLE_TENSOR.get(optimizer_class.__name__) if optimizer_class.__module__.startswith("torch.") else None
-        # [Note: whole matrices on one process]
-        self._whole = why is not None and optimizer_class.__name__ in _WHOLE_MATRIX
-        if why is not None and not self._whole:
-            raise ValueError(
-                f"ZeroOptimizer: {optimizer_class.__name__} {why}, so it cannot run on each rank's shards, whatever "
-                "elementwise= says. Train it without ZeroOptimizer (plain DDP), or use an elementwise optimizer "
-                "(SGD, Adam, AdamW, Adagrad, RMSprop, ...)")
-        if not (elementwise or optimizer_class in _ELEMENTWISE or self._whole):
-            raise ValueError(
-                f"ZeroOptimizer: {optimizer_class.__name__} is not known to update each element on its own "
-                "(Adafactor and LAMB-style optimizers read whole tensors: row/column statistics, trust ratios), so "
-                "running it on each rank's slice of a param would give other numbers than on the whole param. "
-                "Use an elementwise optimizer (SGD, Adam, AdamW, Adagrad, RMSprop, ...), or pass elementwise=True "
-                "if this one is")
         if max_grad_norm is not None and not 0 < float(max_grad_norm) < float("inf"):
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
         sharding = {k: kwargs.pop(k) for k in _SHARDING if k in kwargs}
         self.optimizer_class, self.max_grad_norm = optimizer_class, max_grad_norm
-        # the inner class's own defaults (and its checks of them), read from a throwaway instance
-        # on a slice as the inner optimizer will see them: flat, 1-D, fp32
-        probe = (1, 1) if self._whole else (1,)  # a 2-D one for Muon, which takes no other
-        self._probe_shape = (2, 2) if self._whole else (2,)  # inner_state's throwaway instances' param
-        try:
-            defaults = optimizer_class([torch.zeros(probe, requires_grad=True)], **kwargs).defaults
-        except (ValueError, RuntimeError, TypeError) as e:
-            if optimizer_class in _ELEMENTWISE:
-                raise  # its own check of the options (lr=-1, ...): torch's message says it
-            raise ValueError(
-                f"ZeroOptimizer: {optimizer_class.__name__} (elementwise=True) refused a flat 1-D fp32 tensor of 1 "
-                f"element ({type(e).__name__}: {e}). ZeroOptimizer hands the inner optimizer each rank's slice of "
-                "every param, flattened to 1-D, so an optimizer that needs a param's shape (2-D matrices, as "
-                "Muon's orthogonalised updates) cannot run on them: it is not elementwise. Train it without "
-                "ZeroOptimizer, or check the options passed to it") from e
+        self._why = {}  # class -> why it reads whole tensors (None: elementwise)
+        defaults = self._checked_class(optimizer_class, elementwise, kwargs)
+        groups = validated_groups(params)
+        for gi, g in enumerate(groups):  # [Note: mixed groups]: a group's own class, and its defaults
+            cls = g.get("optimizer", optimizer_class)
+            if cls is not optimizer_class:
+                own = {k: v for k, v in g.items() if k not in ("params", "param_names", "optimizer")}
+                groups[gi] = {**self._checked_class(cls, elementwise, own, f"param group {gi}"), **g}
         self._constructing = True
-        super().__init__(validated_groups(params), defaults)
+        super().__init__(groups, defaults)
         self._constructing = False
+        self._classes = [g.get("optimizer", optimizer_class) for g in self.param_groups]  # per param group
         names = {p: n for g in self.param_groups for p, n in zip(g["params"], g.get("param_names", ()))}
-        if self._whole:
-            _check_whole_matrices(optimizer_class, why, self.param_groups, names, sharding)
+        matrices = self._matrices(names, sharding)  # the params stepped whole, where the layout must keep them so
+        self.matrices_stepped = 0  # matrices this rank ran the inner optimizer on, all steps together
         # the inner optimizer's per-element state: what OffloadPolicy(device="nvme") keeps on disk
-        elements = inner_state.element_keys(optimizer_class, kwargs, self.param_groups, self._probe_shape)
+        plain = [g for g, c in zip(self.param_groups, self._classes) if c is optimizer_class]
+        elements = inner_state.element_keys(optimizer_class, kwargs, plain, _probe(self._why.get(optimizer_class)))
+        if len(set(self._classes)) > 1 and getattr(sharding.get("offload"), "device", None) == "nvme":
+            raise ValueError("ZeroOptimizer: OffloadPolicy(device='nvme') streams one inner optimizer's state, and "
+                             f"the param groups name {len(set(self._classes))} classes; use "
+                             "OffloadPolicy(device='cpu') or none")
+        options = (optimizer_class.__name__, [c.__name__ for c in self._classes], kwargs)
         self.engine = ZeroEngine(self, [g["params"] for g in self.param_groups], names, state_keys=(),
-                                 what="ZeroOptimizer", options=repr((optimizer_class.__name__, kwargs)),
-                                 disk_state_keys=[k for k, dt in elements.items() if dt == torch.float32], **sharding)
+                                 what="ZeroOptimizer", options=repr(options),
+                                 disk_state_keys=[k for k, dt in elements.items() if dt == torch.float32],
+                                 matrices=matrices, **sharding)
         trainable = self.engine.trainable
         group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
+        # [Note: whole matrices on their owners]: the trainable params a matrix class steps whole
+        self._group_t = [group_of[id(p)] for p in trainable]  # per trainable param, its param group
+        self._whole = {t for t in range(len(trainable)) if self._why.get(self._class_of(t))}
         # per trainable param: (store index, shard offset, numel, start in the flattened param). Every
         # trainable param has a piece on every rank, an empty one where this rank holds none of its
         # elements: the inner optimizer keeps its per-param scalars (Adam's step, ...) there too, so
@@ -149,16 +142,20 @@ class ZeroOptimizer(EngineOptimizer):
         self._inner_groups = [gi for gi, ts in enumerate(ts_of) if ts]  # groups with a trainable param
         self._inner_ts = [ts_of[gi] for gi in self._inner_groups]
         self._inner_index = {t: k for k, t in enumerate(t for ts in self._inner_ts for t in ts)}
-        keys = lambda g: {k: v for k, v in g.items() if k not in ("params", "param_names")}  # noqa: E731
-        kept = [{**keys(self.param_groups[gi]), "params": [self._piece[t] for t in ts]}
+        kept = [{**_keys(self.param_groups[gi]), "params": [self._piece[t] for t in ts]}
                 for gi, ts in zip(self._inner_groups, self._inner_ts)]
         if not kept:  # no trainable param
-            kept = [{**keys(self.param_groups[0]), "params": [torch.zeros(0)]}]
-        self.inner = optimizer_class(kept, **kwargs)
+            kept = [{**_keys(self.param_groups[0]), "params": [torch.zeros(0)]}]
+        inner_classes = [self._classes[gi] for gi in self._inner_groups] or [optimizer_class]
+        args = {c: kwargs if c is optimizer_class else {} for c in inner_classes}  # **defaults: the default class's
+        if len(set(inner_classes)) == 1:
+            self.inner = inner_classes[0](kept, **args[inner_classes[0]])
+        else:  # [Note: mixed groups]
+            self.inner = InnerSet([(c, args[c], g) for c, g in zip(inner_classes, kept)])
         # [Note: inner state before the first step] in optim/inner_state.py
         device = stores[0].master.device if stores else torch.device("cpu")
-        late = [inner_state.late_keys(optimizer_class, kwargs, g, device, self._probe_shape)
-                for g in self.inner.param_groups]
+        late = [inner_state.late_keys(c, args[c], g, device, _probe(self._why.get(c)))
+                for c, g in zip(inner_classes, self.inner.param_groups)]
         self._late = {t: late[k] for k, ts in enumerate(self._inner_ts) for t in ts}
         self._disk = None  # [Note: inner state on disk] in optim/inner_stream.py
         if stores and getattr(stores[0], "streams", False):
@@ -170,12 +167,64 @@ class ZeroOptimizer(EngineOptimizer):
             self._disk = InnerStream(self, stores[0].state_keys)
             self._disk.init_state()  # a piece at a time, each moved to disk at once
         else:
-            inner_state.make_initial_state(self.inner, list(self._piece.values()))
+            inner_set.make_initial_state(self.inner, list(self._piece.values()), inner_state.make_initial_state)
         self._sync_state()
+
+    def _checked_class(self, cls, elementwise, options, where=None):
+        """cls's defaults with these options (its own checks of them, by a throwaway instance on a
+        piece as the inner optimizer will see it), after refusing a class that cannot run on
+        shards, naming why. Records in self._why whether it steps whole matrices."""
+        at = f" ({where})" if where else ""
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            raise TypeError(f"ZeroOptimizer: optimizer_class{at} must be a torch.optim.Optimizer class, got {cls!r}")
+        why = _WHOLE_TENSOR.get(cls.__name__) if cls.__module__.startswith("torch.") else None
+        whole = why is not None and cls.__name__ in _WHOLE_MATRIX  # [Note: whole matrices on their owners]
+        if why is not None and not whole:
+            raise ValueError(
+                f"ZeroOptimizer: {cls.__name__}{at} {why}, so it cannot run on each rank's shards, whatever "
+                "elementwise= says. Train it without ZeroOptimizer (plain DDP), or use an elementwise optimizer "
+                "(SGD, Adam, AdamW, Adagrad, RMSprop, ...)")
+        if not (elementwise or cls in _ELEMENTWISE or whole):
+            raise ValueError(
+                f"ZeroOptimizer: {cls.__name__}{at} is not known to update each element on its own "
+                "(Adafactor and LAMB-style optimizers read whole tensors: row/column statistics, trust ratios), so "
+                "running it on each rank's slice of a param would give other numbers than on the whole param. "
+                "Use an elementwise optimizer (SGD, Adam, AdamW, Adagrad, RMSprop, ...), or pass elementwise=True "
+                "if this one is")
+        self._why[cls] = why if whole else None
+        try:  # a 2-D piece for Muon, which takes no other; else flat, 1-D, fp32
+            return cls([torch.zeros((1, 1) if whole else (1,), requires_grad=True)], **options).defaults
+        except (ValueError, RuntimeError, TypeError) as e:
+            if cls in _ELEMENTWISE or whole:
+                raise  # its own check of the options (lr=-1, ...): torch's message says it
+            raise ValueError(
+                f"ZeroOptimizer: {cls.__name__}{at} (elementwise=True) refused a flat 1-D fp32 tensor of 1 "
+                f"element ({type(e).__name__}: {e}). ZeroOptimizer hands the inner optimizer each rank's slice of "
+                "every param, flattened to 1-D, so an optimizer that needs a param's shape (2-D matrices, as "
+                "Muon's orthogonalised updates) cannot run on them: it is not elementwise. Train it without "
+                "ZeroOptimizer, or check the options passed to it") from e
+
+    def _matrices(self, names, sharding):
+        """The WholeMatrices the layout must keep whole (None: none, or one process), after
+        checking every matrix class's param group ([Note: whole matrices on their owners])."""
+        index = {p: k for k, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        found, cost = [], None
+        for gi, (g, cls) in enumerate(zip(self.param_groups, self._classes)):
+            why = self._why.get(cls)
+            if why is None:
+                continue
+            if not g["params"]:
+                raise ValueError(f"ZeroOptimizer: param group {gi} ({cls.__name__}) has no params; give it the 2-D "
+                                 "hidden weights, or leave the group out")
+            mine = [(index[p], p) for p in g["params"] if p.requires_grad]
+            if whole_state.check_whole_matrices(cls.__name__, why, mine, names, sharding):
+                found += [p for _, p in mine]
+            cost = _WHOLE_MATRIX[cls.__name__]
+        return WholeMatrices.of(cost, found) if found else None
 
     def _update(self, had, divisor):
         for gi, inner in zip(self._inner_groups, self.inner.param_groups):  # lr schedulers change the outer ones
-            inner.update({k: v for k, v in self.param_groups[gi].items() if k not in ("params", "param_names")})
+            inner.update(_keys(self.param_groups[gi]))
         if self._disk is not None:
             self._disk.step(had, divisor)
             return
@@ -193,7 +242,10 @@ class ZeroOptimizer(EngineOptimizer):
             grads.append(g)
         for t, piece in self._piece.items():
             s, off, n, _ = self._where[t]
+            if t in self._whole and n == 0:  # another rank owns the matrix ([Note: whole matrices on their owners])
+                continue
             piece.grad = grads[s][off:off + n].view(piece.shape) if had[t] else None
+            self.matrices_stepped += t in self._whole and had[t]
         self.inner.step()
         for piece in self._piece.values():
             piece.grad = None
@@ -221,7 +273,7 @@ class ZeroOptimizer(EngineOptimizer):
         index = {p: k for k, p in enumerate(p for g in self.param_groups for p in g["params"])}
         for t, p in enumerate(self.engine.trainable):
             piece = self._piece[t]
-            st = inner_state.with_placeholders(self.inner.state[piece], self._late[t], piece, self.optimizer_class,
+            st = inner_state.with_placeholders(self.inner.state[piece], self._late[t], piece, self._class_of(t),
                                                self._member(t)[1] or f"params[{index[p]}]")
             sd["state"][index[p]] = st
             if not self.strategy.shards_state:
@@ -231,6 +283,10 @@ class ZeroOptimizer(EngineOptimizer):
             for v in st.values():
                 if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == n:
                     checkpoint.mark_slice(v, start, n, numel)
+        if self._whole and self.strategy.shards_state:  # [Note: whole state in checkpoints]: a collective
+            whole_state.gather_from_owners(self.engine.comm, [(sd["state"][index[p]], self._piece[t], self._shape(t))
+                                                              for t, p in enumerate(self.engine.trainable)
+                                                              if t in self._whole])
         checkpoint.add_error_feedback(self, sd["state"])  # quantized reductions: a collective
         return sd
 
@@ -238,19 +294,26 @@ class ZeroOptimizer(EngineOptimizer):
         """(param, name, full shape) of trainable param t (at stage 3 p.shape is empty between gathers)."""
         return self.engine.param_of(self.engine.stores[self._where[t][0]], self._at[t])
 
+    def _class_of(self, t):
+        """The optimizer class that steps trainable param t ([Note: mixed groups])."""
+        return self._classes[self._group_t[t]]
+
     def _shape(self, t):
         return self._member(t)[2]
 
     def _piece_shape(self, t):
         """The inner optimizer's view of trainable param t's piece: the param's shape where a
-        whole-matrix optimizer runs ([Note: whole matrices on one process]), else 1-D."""
+        whole-matrix optimizer runs, an empty (0, n) one on the ranks that do not own it ([Note:
+        whole matrices on their owners]), else 1-D."""
         _, _, n, start = self._where[t]
-        if not self._whole:
+        if t not in self._whole:
             return (n,)
-        if start != 0 or n != self._numel(t):  # _check_whole_matrices let only one process through
+        if n == 0:
+            return (0, self._shape(t)[-1])
+        if start != 0 or n != self._numel(t):  # the matrix layout keeps every matrix whole
             raise RuntimeError(f"ZeroOptimizer: {self._member(t)[1] or f'param {t}'} is split across ranks "
                                f"([{start}, {start + n}) of {self._numel(t)} here), which "
-                               f"{self.optimizer_class.__name__} cannot run on")
+                               f"{self._class_of(t).__name__} cannot run on")
         return tuple(self._shape(t))
 
     def _numel(self, t):
@@ -290,7 +353,7 @@ class ZeroOptimizer(EngineOptimizer):
                     elif v.numel() != n:
                         raise ValueError(f"ZeroOptimizer: state[{index[p]}]['{key}'] has {v.numel()} elements; "
                                          f"param {index[p]} has {numel} and this rank's slice {n}")
-                    elif self._whole and v.dim() > 1 and tuple(v.shape) != tuple(self._shape(t)):
+                    elif t in self._whole and v.dim() > 1 and tuple(v.shape) != tuple(self._shape(t)):
                         raise ValueError(f"ZeroOptimizer: state[{index[p]}]['{key}'] has shape {list(v.shape)}, "
                                          f"param {index[p]} has {list(self._shape(t))}")
                     v = v.reshape(self._piece[t].shape)
@@ -298,17 +361,23 @@ class ZeroOptimizer(EngineOptimizer):
                 # caller's dict (or share a step counter with the optimizer it came from)
                 out[key] = v.clone() if isinstance(v, torch.Tensor) else v
             inner_state_dict[self._inner_index[t]] = out
-        groups = [{**{k: v for k, v in state_dict["param_groups"][gi].items() if k not in ("params", "param_names")},
-                   "params": [self._inner_index[t] for t in ts]} for gi, ts in zip(self._inner_groups, self._inner_ts)]
+        groups = [{**_keys(state_dict["param_groups"][gi]), "params": [self._inner_index[t] for t in ts]}
+                  for gi, ts in zip(self._inner_groups, self._inner_ts)]
         if not groups:
             groups = [{**self.inner.param_groups[0], "params": [0]}]
         shapes = {p: self._shape(t) for t, p in enumerate(self.engine.trainable)}
         carried, counts = checkpoint.saved_error_feedback(self, saved, shapes, mine_too=False)  # checks first
         for gi, group in enumerate(state_dict["param_groups"]):
-            self.param_groups[gi].update({k: v for k, v in group.items() if k not in ("params", "param_names")})
+            theirs = group.get("optimizer", self._classes[gi])  # [Note: mixed groups]
+            if theirs is not self._classes[gi] and theirs != _qualname(self._classes[gi]):
+                raise ValueError(f"ZeroOptimizer: param group {gi} of the state dict was stepped by {theirs!r}, this "
+                                 f"optimizer steps it with {_qualname(self._classes[gi])}")
+        for gi, group in enumerate(state_dict["param_groups"]):
+            self.param_groups[gi].update(_keys(group))
         self.inner.load_state_dict({"state": inner_state_dict, "param_groups": groups})
         wire_checkpoint.restore(self, carried, counts)
-        inner_state.make_initial_state(self.inner, list(self._piece.values()))  # the params the dict had none of
+        # the params the dict had none of
+        inner_set.make_initial_state(self.inner, list(self._piece.values()), inner_state.make_initial_state)
         if self._disk is not None:
             self._disk.to_disk(range(len(self._where)))  # the loaded values into the current slot
         self._sync_state()
@@ -323,29 +392,15 @@ class ZeroOptimizer(EngineOptimizer):
         return rep
 
 
-def _check_whole_matrices(optimizer_class, why, groups, names, sharding):
-    """[Note: whole matrices on one process]: raise, naming the culprit, unless every trainable
-    param is 2-D and the params are sharded over one process, in memory."""
-    cls = optimizer_class.__name__
-    params = [p for g in groups for p in g["params"]]
-    for k, p in enumerate(params):
-        if p.requires_grad and p.dim() != 2:
-            name = f"params[{k}] ({names[p]!r})" if p in names else f"params[{k}]"
-            raise ValueError(f"ZeroOptimizer: {cls} {why}, and takes 2-D params only: {name} has shape "
-                             f"{list(p.shape)}. Give this ZeroOptimizer the 2-D hidden weights only, and the other "
-                             "params (embeddings, norms, biases) another optimizer")
-    units = [u for u in (unit_of(p) for p in params if p.requires_grad) if u is not None]
-    if units:
-        world, offload, mesh = units[0].comm.world_size, units[0].config.offload, None
-    else:
-        group, offload, mesh = sharding.get("process_group"), sharding.get("offload"), sharding.get("mesh")
-        world = dist.get_world_size(group) if group is not None or (dist.is_available() and dist.is_initialized()) \
-            else 1
-    if mesh is not None or world > 1:
-        raise ValueError(f"ZeroOptimizer: {cls} {why}. On one process every param is whole and it runs; on "
-                         f"{'a mesh' if mesh is not None else f'{world} processes'} it needs the matrix-whole layout "
-                         "(zerokern/zero/core/matrix_layout.py), not wired into the runtime yet (issue 51). Train "
-                         "it without ZeroOptimizer (plain DDP) for now")
-    if getattr(offload, "device", None) == "nvme":
-        raise ValueError(f"ZeroOptimizer: {cls} {why}, and OffloadPolicy(device='nvme') steps chunks of the params; "
-                         "use OffloadPolicy(device='cpu') or none")
+def _keys(group):
+    """A param group's options, as its inner optimizer takes them ([Note: mixed groups]: not its class)."""
+    return {k: v for k, v in group.items() if k not in ("params", "param_names", "optimizer")}
+
+
+def _probe(why):
+    """inner_state's throwaway instances' param: 2-D for a matrix class (Muon takes no other)."""
+    return (2, 2) if why else (2,)
+
+
+def _qualname(cls):
+    return f"{cls.__module__}.{cls.__qualname__}"

@@ -13,6 +13,7 @@ touches buckets, collectives or units itself. docs/DESIGN.md draws the layers.
 """
 
 import contextlib
+import dataclasses
 import weakref
 
 import torch
@@ -35,12 +36,14 @@ class ZeroEngine:
     def __init__(self, optimizer, groups, names, *, zero_stage=None, process_group=None, bucket_cap_mb=None,
                  overlap_comm=None, offload=None, overlap_param_gather=None, state_keys=("exp_avg", "exp_avg_sq"),
                  what="FusedZeroAdam", options="", state=None, mesh=None, reduce_precision=None,
-                 gather_precision=None, disk_state_keys=None):
+                 gather_precision=None, disk_state_keys=None, matrices=None):
         """groups: the param groups' param lists (validated); names: {param: name} where known.
         state_keys: the state tensors each store keeps per shard (the optimizer's own). state: a
         StatePolicy (core/stage.py) for low-bit state or params without masters, else None.
         disk_state_keys: an optimizer that keeps its own state (ZeroOptimizer: state_keys=()) names
-        here the per-element fp32 state that OffloadPolicy(device="nvme") streams from disk for it."""
+        here the per-element fp32 state that OffloadPolicy(device="nvme") streams from disk for it.
+        matrices: a WholeMatrices (core/whole_matrices.py), the params an optimizer steps whole, laid
+        out whole in one rank's shard each; for params this engine buckets itself (no shard())."""
         self.optimizer = weakref.ref(optimizer)  # the runtime never calls up into it
         all_params = [p for g in groups for p in g]
         self.trainable = [p for p in all_params if p.requires_grad]
@@ -51,6 +54,12 @@ class ZeroEngine:
                                      overlap_param_gather, state.align if state is not None else None, mesh,
                                      self.trainable[0].device.type if self.trainable else "cpu", reduce_precision,
                                      gather_precision)
+        if matrices is not None:
+            if owned:  # their layout was made by zerokern.shard(), before the optimizer was known
+                raise ValueError(f"zerokern: {what} steps some params as whole matrices, which needs them laid out "
+                                 f"for it, but unit '{owned[0].name}' was laid out by zerokern.shard() before; pass "
+                                 "the params without shard()")
+            config = dataclasses.replace(config, matrices=matrices)
         self.strategy = strategy = config.strategy(self.comm.world_size)  # strategy.stage: the stage as given
         index = {p: k for k, p in enumerate(all_params)}
         if loose and (config.overlap_param_gather or strategy.needs_units):

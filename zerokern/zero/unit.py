@@ -33,7 +33,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .params import empty as empty_param
 from .grads.bucket import GradBucket
-from .core.layout import plan_layout
+from .core.flat_plan import plan_flat
 from .core.member import Member
 from .grads.placeholder import ShardedGrad
 from .core.stage import ShardConfig, Strategy
@@ -55,7 +55,7 @@ class FlatParams:
         self.dtype, self.device = params[0].dtype, params[0].device
         self.rank = comm.rank if strategy.shards_state else 0
         cap = max(1, int(config.bucket_cap_mb * 2**20 // params[0].element_size()))
-        self.layout = plan_layout([p.numel() for p in params], strategy.layout_world, cap, config.align, breaks)
+        self.layout = plan_flat(params, names, strategy.layout_world, cap, config.align, breaks, config.matrices)
         self.param_bufs = FlatBuffers.from_tensors(params, self.layout)
         self.param_bufs.bind_params(params)
         for m in self.members:  # where each param's data must stay now ([Note: ownership]), its version there

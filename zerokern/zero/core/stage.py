@@ -25,6 +25,7 @@ import torch
 
 from ...kernels import lowbit
 from .precision import check_precisions
+from .whole_matrices import WholeMatrices
 
 
 class GradMode(enum.Enum):
@@ -124,10 +125,15 @@ class ShardConfig:
     # [Note: quantized reductions] in comm/wire.py: what grads and gathered params travel in (None: as they are)
     reduce_precision: Optional[str] = None
     gather_precision: Optional[str] = None
+    # the params a matrix optimizer steps whole (ZeroOptimizer with torch.optim.Muon): laid out so
+    # each lies whole in one rank's shard (flat_plan.py); None: plan_layout's flat buckets
+    matrices: Optional[WholeMatrices] = None
 
     def __post_init__(self):
         if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
             raise ValueError(f"stage must be 0, 1, 2 or 3, got {self.stage!r}")
+        if self.matrices is not None and not isinstance(self.matrices, WholeMatrices):
+            raise TypeError(f"matrices must be None or a WholeMatrices, got {type(self.matrices).__name__}")
         check_precisions(self.reduce_precision, self.gather_precision)
         if self.stage == 0 and self.gather_precision is not None:
             raise ValueError(f"zerokern: gather_precision={self.gather_precision!r} at stage 0, where nothing is "
@@ -159,10 +165,13 @@ class ShardConfig:
 
     def agreed(self) -> "ShardConfig":
         """What every rank must pass alike: all of it but an NVMe path, which may be each rank's
-        own disk (the ranks' disks add up)."""
-        if self.offload is None or self.offload.path is None:
-            return self
-        return dataclasses.replace(self, offload=dataclasses.replace(self.offload, path="<each rank's own>"))
+        own disk (the ranks' disks add up), and the matrices' process-local ids (whole_matrices.py)."""
+        out = self
+        if self.offload is not None and self.offload.path is not None:
+            out = dataclasses.replace(out, offload=dataclasses.replace(self.offload, path="<each rank's own>"))
+        if self.matrices is not None:
+            out = dataclasses.replace(out, matrices=self.matrices.agreed())
+        return out
 
 
 @dataclass(frozen=True)

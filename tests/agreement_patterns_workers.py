@@ -7,48 +7,16 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 import zerokern
 from zerokern import FusedZeroAdam
 from zerokern.zero.comm.check import CollectiveMismatch
-
-
-class Flaky(nn.Linear):
-    """A Linear that raises (a simulated out-of-memory) in its forward or its backward on demand."""
-
-    fail = None  # None, "forward" or "backward"
-
-    def forward(self, x):
-        if self.fail == "forward":
-            raise RuntimeError("CUDA out of memory (simulated)")
-        out = super().forward(x)
-        if self.fail == "backward" and out.requires_grad:
-            def boom(grad):
-                raise RuntimeError("CUDA out of memory (simulated, in backward)")
-            out.register_hook(boom)
-        return out
-
-
-class Net(nn.Module):
-    """Four blocks of the same size (gathers that one size cannot tell apart) and a head."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.ModuleList([Flaky(8, 8) for _ in range(4)])
-        self.head = nn.Linear(8, 1)
-
-    def forward(self, x, skip=()):
-        for k, b in enumerate(self.blocks):
-            if k not in skip:  # LayerDrop
-                x = torch.tanh(b(x))
-        return self.head(x).square().mean()
+from models import FlakyStack
 
 
 def _build(stage, timeout="30"):
     os.environ["ZEROKERN_COLLECTIVE_TIMEOUT"] = timeout  # a rank that waits elsewhere: an error well within the test's
-    model = Net()
+    model = FlakyStack()
     if stage == 3:
         for m in [*model.blocks, model.head]:
             zerokern.shard(m, stage=3)
@@ -87,7 +55,7 @@ def layer_drop_on_one_rank(rank, world, stage):
             opt.zero_grad()
     out = _outcome(lambda: train(model, opt))
     if stage < 3:
-        ddp = torch.nn.parallel.DistributedDataParallel(Net(), find_unused_parameters=True)
+        ddp = torch.nn.parallel.DistributedDataParallel(FlakyStack(), find_unused_parameters=True)
         train(ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.0))
         out["diff"] = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ddp.module.parameters()))
     return out
@@ -150,7 +118,7 @@ def subgroup_then_world_group(rank, world):
     import torch.distributed as dist
     torch.manual_seed(0)
     g01, g23 = dist.new_group([0, 1]), dist.new_group([2, 3])
-    model = Net()
+    model = FlakyStack()
     if rank < 2:
         opt = FusedZeroAdam(model.parameters(), lr=1e-2, process_group=g01, zero_stage=2, bucket_cap_mb=1e-4)
         for x in _batches(rank, 2):

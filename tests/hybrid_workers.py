@@ -6,28 +6,20 @@ import os
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 import zerokern
 from numerics import abs_diff
+from models import TanhStack
 
 STEPS = 3
 LR, WD = 1e-2, 0.1
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(21)
-        self.blocks = nn.ModuleList(nn.Linear(12, 12) for _ in range(3))
-        self.head = nn.Linear(12, 1)
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = torch.tanh(b(x))
-        return self.head(x).square().mean()
+def net():
+    """The model every rank and the one-process reference build (seeded: they start alike)."""
+    return TanhStack((12, 12, 12, 12), 1, seed=21, loss=True)
 
 
 def _data(world, steps=STEPS, seed=22):
@@ -36,7 +28,7 @@ def _data(world, steps=STEPS, seed=22):
 
 
 def _build(stage, mesh, optimizer="fused", cap=1e-4):
-    model = Net()
+    model = net()
     if stage == 3:
         for b in model.blocks:
             zerokern.shard(b, stage=3, bucket_cap_mb=cap, mesh=mesh)
@@ -63,7 +55,7 @@ def _steps(rank, world, model, opt, data):
 
 
 def _reference(world, data, optimizer="fused"):
-    ref = Net()
+    ref = net()
     if optimizer == "sgd":
         opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     else:

@@ -8,33 +8,9 @@ import torch.nn as nn
 import zerokern
 from zerokern import FusedZeroAdam
 from numerics import abs_diff
+from models import BranchNet
 
 STEPS = 3
-
-
-class Poked(nn.Linear):
-    """A Linear whose weight's first element gets a grad of `bad` (inf: one element overflows)."""
-
-    bad = 0.0
-
-    def forward(self, x):
-        out = super().forward(x)
-        return out + self.weight.view(-1)[0] * self.bad if self.bad else out
-
-
-class Net(nn.Module):
-    """`extra` is used at step 0 only (a conditional branch): afterwards backward never reaches it."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(5)
-        self.a, self.b, self.extra, self.head = Poked(6, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1)
-
-    def forward(self, x, use_extra):
-        h = torch.tanh(self.b(torch.tanh(self.a(x))))
-        if use_extra:
-            h = h + self.extra(h)
-        return self.head(h).square().mean()
 
 
 def _data(world):
@@ -43,7 +19,7 @@ def _data(world):
 
 
 def _build(stage, world):
-    model = Net()
+    model = BranchNet()
     cap = 1e-4  # buckets of a few params: params split across ranks mid-tensor
     if stage == 3:
         for m in (model.a, model.b, model.extra, model.head):
@@ -61,7 +37,7 @@ def unused_params_and_zero_grad(rank, world, stage, set_to_none):
     """Steps where `extra` gets no grad, after zero_grad(set_to_none): the same .grad-is-None
     pattern as torch after each backward and step, and the same params as torch AdamW."""
     data = _data(world)
-    ref = Net()
+    ref = BranchNet()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
     model, opt = _build(stage, world)
     ours, theirs = [], []
@@ -84,7 +60,7 @@ def unused_params_and_zero_grad(rank, world, stage, set_to_none):
 def no_zero_grad_at_stage(rank, world, stage):
     """Two steps and no zero_grad(): stages 0/1 accumulate as torch does; stages 2/3 raise on every rank."""
     data = _data(world)
-    ref = Net()
+    ref = BranchNet()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
     model, opt = _build(stage, world)
     try:
@@ -104,7 +80,7 @@ def stage3_scaler_inf_in_one_element(rank, world):
     grad at step 1 skips that step on every rank and halves the scale, as at stage 2."""
     out = {}
     for stage in (2, 3):
-        model = Net().half()
+        model = BranchNet().half()
         if stage == 3:
             for m in (model.a, model.b, model.extra, model.head):
                 zerokern.shard(m, stage=3, bucket_cap_mb=1e-4)
@@ -182,9 +158,9 @@ def per_unit_options(rank, world):
     """Stage 3 with each block's own bucket size and a root that keeps its params gathered from
     forward to backward (FSDP2's usual root setting): AdamW's numbers."""
     data = _data(world)
-    ref = Net()
+    ref = BranchNet()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-    model = Net()
+    model = BranchNet()
     for m, cap in ((model.a, 1e-4), (model.b, 1.0), (model.extra, 1e-4), (model.head, 2.0)):
         zerokern.shard(m, stage=3, bucket_cap_mb=cap)
     zerokern.shard(model, stage=3, reshard_after_forward=False)

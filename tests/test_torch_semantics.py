@@ -48,7 +48,7 @@ def test_stage3_grad_scaler_skips_an_inf_in_one_element_of_one_rank():
 def test_full_state_dict_rank0_only_is_empty_elsewhere(stage):
     r0, r1 = dist_harness.values(dist_harness.run(W.rank0_only_full_state_dict, 2, stage, timeout=120))
     assert r1["keys"] == [] and len(r0["keys"]) == 8
-    ref = {n: tuple(p.shape) for n, p in W.Net().named_parameters()}
+    ref = {n: tuple(p.shape) for n, p in W.BranchNet().named_parameters()}
     assert r0["shapes"] == ref
 
 
@@ -61,7 +61,7 @@ def test_full_state_dict_through_checkpoint_wrapper_is_whole():
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_one_process_stage_2_and_3_hold_no_full_grad_buffers_after_step(stage):
-    model = W.Net()
+    model = W.BranchNet()
     if stage == 3:
         for m in (model.a, model.b, model.extra, model.head):
             zerokern.shard(m, stage=3)

@@ -30,7 +30,7 @@ def test_state_dict_round_trip_and_torch_state_load(stage):
 
 
 def test_whole_tensor_optimizers_are_refused():
-    model = W.Net()
+    model = W.ThreeLayers()
     for cls in [getattr(torch.optim, "Adafactor", None), torch.optim.LBFGS]:
         if cls is None:
             continue
@@ -47,7 +47,7 @@ def test_muon_is_refused_with_its_own_reason_even_when_vouched_for():
     """Muon orthogonalises each 2-D update as a whole: the refusal says so (it cited Adafactor and
     LAMB), and elementwise=True, which cannot make slices work for it, gets zerokern's error too (it
     failed inside torch on zerokern's 1-element probe, issue 50)."""
-    model = W.Net()
+    model = W.ThreeLayers()
     for vouched in (None, True):
         with pytest.raises(ValueError) as e:
             zerokern.ZeroOptimizer(model.parameters(), torch.optim.Muon, lr=0.02, elementwise=vouched)
@@ -69,7 +69,7 @@ def test_a_vouched_optimizer_that_refuses_slices_gets_zerokerns_error():
             super().__init__(params, **kw)
 
     with pytest.raises(ValueError) as e:
-        zerokern.ZeroOptimizer(W.Net().parameters(), MatrixOnly, lr=0.1, elementwise=True)
+        zerokern.ZeroOptimizer(W.ThreeLayers().parameters(), MatrixOnly, lr=0.1, elementwise=True)
     text = str(e.value)
     assert text.startswith("ZeroOptimizer: MatrixOnly (elementwise=True) refused") and "flat 1-D" in text, text
     assert "MatrixOnly wants 2-D params" in text, text  # its own words, after zerokern's
@@ -78,7 +78,7 @@ def test_a_vouched_optimizer_that_refuses_slices_gets_zerokerns_error():
 def test_one_process_sgd_with_grad_scaler_and_clipping():
     """One process, stage 0: GradScaler (its grad_scale reaches the engine) and max_grad_norm as torch."""
     torch.manual_seed(0)
-    model, ref = W.Net(), W.Net()
+    model, ref = W.ThreeLayers(), W.ThreeLayers()
     opt = zerokern.ZeroOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9, max_grad_norm=0.5)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
@@ -158,7 +158,7 @@ def test_state_dict_before_first_step_refuses_state_without_a_placeholder():
     """A Python value made at the first step cannot be given a placeholder for dcp.load to fill:
     state_dict() before that step raises, naming the optimizer, the key and the param; training
     and a state dict after the first step work as before."""
-    model = W.Net()
+    model = W.ThreeLayers()
     opt = zerokern.ZeroOptimizer(model.named_parameters(), _FloatStateSGD, lr=0.1, elementwise=True)
     with pytest.raises(ValueError, match=r"_FloatStateSGD makes its state 'seen' \(a float.*a\.weight has had none"):
         opt.state_dict()

@@ -7,28 +7,20 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 import zerokern
 from zerokern.integrations.dcp import load_optimizer, save_optimizer
 from zerokern.optim import wire_checkpoint
 from zerokern.optim.state_dict import slice_of
+from models import TanhStack
 
 ROWS = 8  # one global batch, split among the ranks: the mean loss is the same at every world size
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(31)
-        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
-        self.head = nn.Linear(16, 4)
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = torch.tanh(b(x))
-        return self.head(x).square().mean()
+def net():
+    """The model every rank and the one-process reference build (seeded: they start alike)."""
+    return TanhStack((16, 16, 16, 16), 4, seed=31, loss=True)
 
 
 def data(steps, seed=32):
@@ -38,7 +30,7 @@ def data(steps, seed=32):
 
 def build(stage, precision, mesh=None, kind="fused"):
     """kind: "fused" (FusedZeroAdam) or "sgd" (ZeroOptimizer over torch.optim.SGD)."""
-    model = Net()
+    model = net()
     if stage == 3:
         for b in model.blocks:
             zerokern.shard(b, stage=3, bucket_cap_mb=1e-3, mesh=mesh, reduce_precision=precision)

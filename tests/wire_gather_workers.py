@@ -7,26 +7,19 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import zerokern
+from models import TanhStack
 
 QMAX = 127
 BLOCK = 256
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(5)
-        self.blocks = nn.ModuleList([nn.Linear(8, 40), nn.Linear(40, 40)])  # 1,640 and 1,640 params: several blocks
-        self.head = nn.Linear(40, 2)
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = torch.tanh(b(x))
-        return self.head(x)
+def net():
+    """The model every rank and the one-process reference build (seeded: they start alike)."""
+    return TanhStack((8, 40, 40), 2, seed=5, loss=False)
 
 
 def _build(stage, precision, dtype, mesh=None, **opt_kw):
-    model = Net().to(dtype)
+    model = net().to(dtype)
     cap = 2e-3  # ~500 fp32 elements a bucket: several buckets, shards not a multiple of the 256-element block
     if stage == 3:
         for b in model.blocks:
@@ -171,7 +164,7 @@ def nonfinite(rank, world, stage, precision):
 
 def _variant(variant, precision):
     torch.manual_seed(0)
-    model = Net()
+    model = net()
     kw = dict(zero_stage=2, bucket_cap_mb=2e-3, gather_precision=precision)
     if variant == "overlap_param_gather":
         for b in model.blocks:

@@ -6,25 +6,18 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import zerokern
+from models import TanhStack
 
 LR = 1e-2
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(31)
-        self.blocks = nn.ModuleList(nn.Linear(24, 24) for _ in range(3))
-        self.head = nn.Linear(24, 4)
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = torch.tanh(b(x))
-        return self.head(x)
+def net():
+    """The model every rank and the one-process reference build (seeded: they start alike)."""
+    return TanhStack((24, 24, 24, 24), 4, seed=31, loss=False)
 
 
 def _build(stage, precision, mesh=None, cap=2e-3):
-    model = Net()
+    model = net()
     if stage == 3:
         for b in model.blocks:
             zerokern.shard(b, stage=3, bucket_cap_mb=cap, mesh=mesh, reduce_precision=precision)

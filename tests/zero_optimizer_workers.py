@@ -5,12 +5,12 @@ import copy
 
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 import zerokern
 from numerics import abs_diff
+from models import ThreeLayers
 
 STEPS = 4
 OPTIMIZERS = {
@@ -18,16 +18,6 @@ OPTIMIZERS = {
     "adagrad": (torch.optim.Adagrad, dict(lr=0.05, weight_decay=0.01)),
     "adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
 }
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(11)
-        self.a, self.b, self.head = nn.Linear(6, 10), nn.Linear(10, 10), nn.Linear(10, 1)
-
-    def forward(self, x):
-        return self.head(torch.tanh(self.b(torch.tanh(self.a(x))))).square().mean()
 
 
 def _groups(model):
@@ -45,9 +35,9 @@ def _data(world):
 def train(rank, world, name, stage):
     cls, kw = OPTIMIZERS[name]
     data, held_out = _data(world)
-    ref = Net()
+    ref = ThreeLayers()
     ref_opt = cls(_groups(ref), **kw)
-    model = Net()
+    model = ThreeLayers()
     if stage == 3:
         for m in (model.a, model.b, model.head):
             zerokern.shard(m, stage=3, bucket_cap_mb=1e-4)
@@ -88,7 +78,7 @@ def resume(rank, world, stage):
     data, _ = _data(world)
 
     def build():
-        model = Net()
+        model = ThreeLayers()
         return model, zerokern.ZeroOptimizer(_groups(model), cls, zero_stage=stage, bucket_cap_mb=1e-4, **kw)
 
     def run(model, opt, xs):
@@ -107,7 +97,7 @@ def resume(rank, world, stage):
     run(model2, opt2, data[2:])
     same = all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
     # the same torch optimizer's whole state (one process, full batch) loads into the shards
-    ref = Net()
+    ref = ThreeLayers()
     ref_opt = cls(_groups(ref), **kw)
     for x in data[:2]:
         ref_opt.zero_grad()
@@ -136,7 +126,7 @@ CKPT_OPTIMIZERS = {
 
 def _build(world, name, stage):
     cls, kw = CKPT_OPTIMIZERS[name]
-    model = Net()
+    model = ThreeLayers()
     if stage == 3:
         for m in (model.a, model.b, model.head):
             zerokern.shard(m, stage=3, bucket_cap_mb=1e-4)

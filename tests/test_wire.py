@@ -11,13 +11,28 @@ import zerokern
 from zerokern.kernels import wire
 
 
-def _close_to_full_precision(results, cases, rel):
+# The largest relative difference of a step's mean loss (12 steps) from the full-precision run's, per
+# precision. Measured on 2, 3 and 2 x 2 ranks at every stage this file runs (the rounding is keyed,
+# so a rerun gives the same bits): bf16 1.9e-4, int8 6.3e-4, int4 4.9e-3.
+#   None: the full-precision run itself.
+#   bf16: each grad rounded to 8 significant bits, no error feedback: the losses move by ~2e-4.
+#   int8: 3x the measurement. A lost residual (the carried one never added) measured 3.4e-4 to
+#     6.2e-4 here: int8's rounding is too fine for 12 steps of losses to show it;
+#     test_error_feedback_rounds_to_nearest_and_owes_at_most_half_a_step and
+#     test_a_carried_residual_is_added_and_replaced_bit_for_bit catch that.
+#   int4: 1.2x the measurement and no more, as a lost residual measured 7.2e-3 to 7.6e-3 at stage 2
+#     (the rounding errors then add up over the steps): past this.
+LOSS_REL = {None: 0.0, "bf16": 1e-3, "int8": 2e-3, "int4": 6e-3}
+
+
+def _close_to_full_precision(results, cases):
     for r in dist_harness.values(results):
         full = r[cases[0]]
         for case in cases:
             got = r[case]
             assert got["same"], (case, "the ranks' params differ")
-            assert got["losses"] == pytest.approx(full["losses"], rel=rel), (case, got["losses"], full["losses"])
+            assert got["losses"] == pytest.approx(full["losses"], rel=LOSS_REL[case[1]]), (
+                case, got["losses"], full["losses"])
             quantized = case[1] in ("int8", "int4")
             assert (got["error_feedback"] > 0) == quantized, (case, got["error_feedback"])
         # quantized runs are not the full-precision run itself (the test would pass with nothing quantized)
@@ -28,16 +43,16 @@ def _close_to_full_precision(results, cases, rel):
 
 def test_two_ranks_every_stage_and_precision():
     cases = [(2, None), (2, "bf16"), (2, "int8"), (2, "int4"), (1, "int8"), (3, "int4"), (0, "int8"), (3, "int8")]
-    _close_to_full_precision(dist_harness.run(W.train, 2, cases, timeout=300), cases, rel=0.03)
+    _close_to_full_precision(dist_harness.run(W.train, 2, cases, timeout=300), cases)
 
 
 def test_three_flat_ranks_and_a_2x2_mesh():
     # 0: the two-phase all-reduce of > 2 ranks, whose chunks (a third of a bucket) take byte counts
     # that are not multiples of 4 (their scales were read unaligned once)
     flat = [(2, None), (2, "int4"), (0, "int8"), (1, "int4")]
-    _close_to_full_precision(dist_harness.run(W.train, 3, flat, timeout=300), flat, rel=0.03)
+    _close_to_full_precision(dist_harness.run(W.train, 3, flat, timeout=300), flat)
     mesh = [(2, None), (2, "int4"), (3, "int8"), (0, "int4")]
-    _close_to_full_precision(dist_harness.run(W.train, 4, mesh, (2, 2), timeout=300), mesh, rel=0.03)
+    _close_to_full_precision(dist_harness.run(W.train, 4, mesh, (2, 2), timeout=300), mesh)
 
 
 def test_a_rerun_gives_the_same_bits():

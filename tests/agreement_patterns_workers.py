@@ -11,6 +11,7 @@ import torch.distributed as dist
 import zerokern
 from zerokern import FusedZeroAdam
 from zerokern.zero.comm.check import CollectiveMismatch
+import dist_harness
 from models import FlakyStack
 
 
@@ -296,15 +297,16 @@ def queued_on_one_rank_planned_on_the_other(rank, world):
         for _ in range(6):
             for w in [comm.all_reduce(torch.ones(2), name=f"all_reduce[{k}]") for k in range(4)]:
                 comm.wait(w)
-        if rank == 1:
-            time.sleep(2.0)  # rank 0 has queued all 130 by then; its thread waits in a round for rank 1
         names = [f"all_reduce[{i % 4}]" for i in range(130)]
         if rank == 1:  # past the stretch planned when rank 0 queued: rank 0 announced it as queued
             names[125] = "all_reduce[elsewhere]"
         if rank == 0:
-            for w in [comm.all_reduce(torch.ones(2), name=n) for n in names]:
+            works = [comm.all_reduce(torch.ones(2), name=n) for n in names]
+            dist_harness.tell_ranks("rank 0 queued all 130")  # its thread waits in a round for rank 1
+            for w in works:
                 comm.wait(w)
         else:  # one at a time: its rounds ask for the next stretch, with no collective queued
+            dist_harness.wait_for("rank 0 queued all 130")
             for n in names:
                 comm.wait(comm.all_reduce(torch.ones(2), name=n))
     return _until_mismatch(rank, body)

@@ -2,7 +2,6 @@
 checkpoints, at the same world size and across world sizes and meshes."""
 
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -13,6 +12,7 @@ import zerokern
 from zerokern.integrations.dcp import load_optimizer, save_optimizer
 from zerokern.optim import wire_checkpoint
 from zerokern.optim.state_dict import slice_of
+import dist_harness
 from models import TanhStack
 
 ROWS = 8  # one global batch, split among the ranks: the mean loss is the same at every world size
@@ -121,8 +121,10 @@ def skipped_fold(rank, world):
             opt.state_dict()
         except RuntimeError as e:
             err = str(e)
+        finally:
+            dist_harness.tell_ranks("rank 0 is past state_dict()")
     else:
-        time.sleep(4)  # busy elsewhere (not gone) for longer than the check waits
+        dist_harness.wait_for("rank 0 is past state_dict()")  # busy elsewhere (not gone) until the check gives up
     return err
 
 

@@ -3,13 +3,13 @@
 Counted on the Markdown source: prose is every line outside ``` fences, tables and headings; a word is
 a whitespace-separated token with a letter or digit in it (inline code counts word by word, a link
 by its text). Sentences end at . ! or ? before a space; a list item, a table row or a blank line
-ends one too. `python tests/test_docs_shape.py` prints the counts.
+ends one too. `python tests/docs/test_docs_shape.py` prints the counts.
 """
 import pathlib
 import re
 import statistics
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 MEASURED = ROOT / "docs" / "measured.md"
 

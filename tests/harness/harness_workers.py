@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_dist_harness.py: ranks that hang, raise, die, crash at exit, or
+"""Rank functions for tests/harness/test_dist_harness.py: ranks that hang, raise, die, crash at exit, or
 leave state behind, and one that reports what a rank starts with."""
 
 import atexit

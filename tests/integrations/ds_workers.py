@@ -7,7 +7,7 @@ import torch
 
 from numerics import abs_diff
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _setup(rank, world):

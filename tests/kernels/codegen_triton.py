@@ -1,6 +1,6 @@
 """Compiles every Triton kernel variant for sm_90 (no GPU needed) and prints, as one JSON line,
 {variant: {"ld": global loads, "ld_v4": 16-byte vector loads, "st_v4": 16-byte vector stores}}
-counted in the PTX. Run by tests/test_codegen.py without TRITON_INTERPRET, which would make the
+counted in the PTX. Run by tests/kernels/test_codegen.py without TRITON_INTERPRET, which would make the
 kernels interpreted instead of compiled. Argument: num_warps (what the launches use)."""
 
 import json

@@ -1,7 +1,7 @@
 """zerokern's CUDA kernels on awkward inputs, for compute-sanitizer (not a pytest file).
 
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 3 \
-        python tests/cuda_sanitize.py
+        python tests/kernels/cuda_sanitize.py
 
 Odd sizes, views that start one element into their storage (the unaligned,
 scalar path) next to aligned ones (the vector path), tensors that end exactly

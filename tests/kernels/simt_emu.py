@@ -28,10 +28,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 EMU_DIR = ROOT / "csrc" / "emu"
 EMU_SOURCES = ["simt.cpp", "kernels_api.cpp"]  # with simt.h and include/cuda_runtime.h: all of csrc/emu
-EMU_KERNELS = ["selftest.cu"]  # the emulator's own checks (tests/test_simt_emulator.py)
+EMU_KERNELS = ["selftest.cu"]  # the emulator's own checks (tests/kernels/test_simt_emulator.py)
 CUDA_SOURCES = ["adam_cuda.cu", "adam_cuda_f32.cu", "adam_cuda_f16.cu", "adam_cuda_bf16.cu", "cast_cuda.cu",
                 "lowbit_cuda.cu", "wire_cuda.cu"]
 # -ffp-contract=off: every product rounded (the emulator does not guess nvcc's FMAs; simt.h says so).

@@ -26,7 +26,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 CUDA_DIR = ROOT / "csrc" / "cuda"
 KERNEL_FILES = ["adam_cuda.cu", "adam_cuda_f32.cu", "adam_cuda_f16.cu", "adam_cuda_bf16.cu", "cast_cuda.cu",
                 "wire_cuda.cu"]
@@ -153,11 +153,11 @@ NUM_WARPS = 4  # what the launches use (Triton's default)
 
 @pytest.fixture(scope="module")
 def triton_ptx():
-    """{variant: counts of its sm_90 PTX}, from tests/codegen_triton.py in a process of its own: the
+    """{variant: counts of its sm_90 PTX}, from tests/kernels/codegen_triton.py in a process of its own: the
     tests run Triton under TRITON_INTERPRET=1, where kernels are interpreted, not compiled."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "codegen_triton.py"), str(NUM_WARPS)], env=env,
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "kernels" / "codegen_triton.py"), str(NUM_WARPS)], env=env,
                           capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])

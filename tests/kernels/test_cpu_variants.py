@@ -60,7 +60,7 @@ for fmt in ("int8", "bf16"):
                                exp_avg_scales=ms, exp_avg_sq_scales=vs, index_bases=bases, seed=3,
                                backend="cpu")
         out[("lowbit", fmt, pd)] = (p, m, v, (ms or []) + (vs or []))
-# the wire format (tests/test_wire_kernels.py checks the default variant against wire.py): blocks of
+# the wire format (tests/kernels/test_wire_kernels.py checks the default variant against wire.py): blocks of
 # random, zero, inf and NaN, tiny (1 / scale is inf) values and a short one; a base that puts Philox
 # group 2^32 inside a block; both roundings
 from zerokern.kernels import wire, wire_ops

@@ -1,5 +1,5 @@
 """Every __global__ kernel of csrc/cuda, executed: their host build on the SIMT emulator
-(tests/simt_emu.py, [Note: the SIMT emulator] in csrc/emu/simt.h) against the torch reference and,
+(tests/kernels/simt_emu.py, [Note: the SIMT emulator] in csrc/emu/simt.h) against the torch reference and,
 where the CPU kernel does the same fp32 arithmetic, against the CPU kernel bit for bit.
 
 What is compared, and how exactly:
@@ -30,7 +30,7 @@ from zerokern.kernels import lowbit as L
 from zerokern.kernels import wire
 from zerokern.kernels.lowbit_ops import fused_adam_lowbit_
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 HAS_CPU = ops.available_backends().get("cpu", False)
 FLOATS = [torch.float32, torch.float16, torch.bfloat16]
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05)

@@ -3,7 +3,7 @@ scales, the error output and the decoded values, bit for bit, for int8 and int4,
 zero, tiny, inf and NaN blocks, every key of the random stream, and both roundings (stochastic, and
 to nearest: [Note: the wire format]). Small sizes: the Triton
 kernels run under TRITON_INTERPRET on a CPU-only machine (conftest sets it). The CPU kernel's other
-SIMD variants are compared with the default one in tests/test_cpu_variants.py."""
+SIMD variants are compared with the default one in tests/kernels/test_cpu_variants.py."""
 
 import pytest
 import torch

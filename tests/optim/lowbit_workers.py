@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_lowbit_optim.py: FusedZeroAdam with low-bit state on gloo ranks."""
+"""Rank functions for tests/optim/test_lowbit_optim.py: FusedZeroAdam with low-bit state on gloo ranks."""
 
 import torch
 

@@ -250,7 +250,7 @@ def test_converges_like_adamw_on_text():
     falls by more than half). The long run and the 1% comparison are in bench/."""
     import sys
     import os
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
     import lowbit_loss as B
 
     data = B.corpus(300_000)

@@ -12,7 +12,7 @@ import wire_checkpoint_workers as W
 N, M = 3, 3  # steps before the save, steps after it
 # Resuming is not bit-exact ([Note: error feedback in checkpoints]): after the load each rank
 # rounds g_i plus its share of the carried sum, not g_i plus its own residual, so the rounding
-# after the first reduction differs by quantization noise. Measured (tests/wire_checkpoint_effect.py
+# after the first reduction differs by quantization noise. Measured (tests/optim/wire_checkpoint_effect.py
 # and these runs): int8 at most 1.2e-3 relative, int4 at most 2.4e-2.
 LOSS_REL = {"int8": 5e-3, "int4": 5e-2}
 

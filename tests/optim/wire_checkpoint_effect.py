@@ -1,6 +1,6 @@
 """What resuming a quantized-reduction run from a checkpoint costs in loss, per world-size change
 ([Note: error feedback in checkpoints] in zerokern/optim/wire_checkpoint.py). Not a test: run
-`python tests/wire_checkpoint_effect.py` (about 40 s a row on 2 cores).
+`python tests/optim/wire_checkpoint_effect.py` (about 40 s a row on 2 cores).
 
 Each row trains N steps at the saving layout, saves with DCP, and trains M more ("after"); a
 fresh run at the loading layout loads and trains the same M steps, with the error feedback
@@ -12,7 +12,8 @@ import shutil
 import sys
 import tempfile
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
+_HERE = __file__.rsplit("/", 1)[0]
+sys.path[:0] = [_HERE, _HERE.rsplit("/", 1)[0]]  # its workers, then tests/ (dist_harness, models)
 
 import dist_harness  # noqa: E402
 import wire_checkpoint_workers as W  # noqa: E402

@@ -147,7 +147,7 @@ def _recipe(stage):
     """docs/checkpoints.md's DCP recipe as written: (imports, save lines, load lines). Stage 3 has
     its own block (model.state_dict(), and load_state_dict after dcp.load); its imports are the
     first block's."""
-    text = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "checkpoints.md")).read()
+    text = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "docs", "checkpoints.md")).read()
     blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
     first = blocks[0].split("\n\n")
     imports, save_lines, load_lines = first[0], first[1], first[2]

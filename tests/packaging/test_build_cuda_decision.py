@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-SETUP = pathlib.Path(__file__).resolve().parent.parent / "setup.py"
+SETUP = pathlib.Path(__file__).resolve().parents[2] / "setup.py"
 
 
 def _cuda_decision():

@@ -2,12 +2,12 @@
 tests, IDEs, and CI's CMake-built operator libraries). A file added to one list and not the other
 built with pip and failed to load from CMake (undefined symbol zerokern::build_lowbit), and only
 CI's CMake step saw it; this check costs nothing and fails at once. csrc/emu, the SIMT emulator that
-runs the CUDA kernels on the CPU for the tests, is built by tests/simt_emu.py alone, which must name
+runs the CUDA kernels on the CPU for the tests, is built by tests/kernels/simt_emu.py alone, which must name
 its files and every .cu of csrc/cuda."""
 import pathlib
 import re
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _sources_named_in(path):

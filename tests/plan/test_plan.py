@@ -239,7 +239,7 @@ def _doc_commands():
     import pathlib
     import re
     import shlex
-    root = pathlib.Path(__file__).resolve().parent.parent
+    root = pathlib.Path(__file__).resolve().parents[2]
     found = []
     for path in [root / "README.md"] + sorted((root / "docs").glob("*.md")):
         prose, code, fenced = [], [], False

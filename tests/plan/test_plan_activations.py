@@ -11,7 +11,7 @@ from zerokern.plan import plan
 from zerokern.plan.activations import activation_memory, layer_bytes_per_token
 from zerokern.plan.cli import main
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
 import activation_memory as bench  # noqa: E402
 from _live_bytes import measure  # noqa: E402
 

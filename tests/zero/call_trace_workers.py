@@ -1,8 +1,8 @@
 """Per-rank bodies of test_call_trace.py: how many zerokern functions one gradient, or one gather,
 walks through (issue 48: a value should travel a short way; FSDP2's grad takes 3 stops in 2 files).
 
-    PYTHONPATH=.:tests python tests/call_trace_workers.py          # the four counts (rank 0)
-    PYTHONPATH=.:tests python tests/call_trace_workers.py grad int8  # one walk, stop by stop
+    PYTHONPATH=.:tests python tests/zero/call_trace_workers.py          # the four counts (rank 0)
+    PYTHONPATH=.:tests python tests/zero/call_trace_workers.py grad int8  # one walk, stop by stop
 """
 
 import os

@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_inplace_weights.py: weights written in place between steps
+"""Rank functions for tests/zero/test_inplace_weights.py: weights written in place between steps
 reach the fp32 masters of fp16/bf16 params ([Note: in-place weights] in zerokern/zero/unit.py)."""
 
 import torch

@@ -18,7 +18,7 @@ import ast
 import functools
 import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parents[1] / "zerokern"
+ROOT = pathlib.Path(__file__).resolve().parents[2] / "zerokern"
 MAX_CHAIN = 6
 
 # (module, what it imports inside a function) -> why it may. Only an optional dependency or the

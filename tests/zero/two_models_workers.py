@@ -1,4 +1,4 @@
-"""Per-rank bodies of tests/test_two_models.py: PyTorch's DCGAN tutorial loop, where G's backward
+"""Per-rank bodies of tests/zero/test_two_models.py: PyTorch's DCGAN tutorial loop, where G's backward
 goes through D and so reaches D's params after D's step(), under zerokern and under DDP."""
 
 import copy

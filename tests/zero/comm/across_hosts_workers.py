@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_across_hosts.py: the collectives of a group that spans hosts
+"""Rank functions for tests/zero/comm/test_across_hosts.py: the collectives of a group that spans hosts
 ([Note: collectives across hosts] in zerokern/zero/comm/gloo.py), forced on one machine by
 telling the Comm which ranks share a host (GlooComm.place)."""
 
@@ -87,7 +87,7 @@ def collectives_bits(rank, world, layouts, sizes, check):
 
 
 def stage3_on_two_hosts(rank, world):
-    """tests/stage3_workers.train with the first half of the ranks on one host as the factory sees
+    """stage3_workers.train (tests/zero/params) with the first half of the ranks on one host as the factory sees
     it ([Note: what a host is], this_host faked), so every Comm it makes agrees on 2 hosts."""
     from zerokern.zero.comm import factory, gloo
 

@@ -1,7 +1,7 @@
 """A flat group that spans hosts reduce-scatters and gathers host by host ([Note: collectives
 across hosts] in zerokern/zero/comm/gloo.py): the plan's messages (pure), the collectives on 4
 gloo ranks told they are on 2 or 3 hosts, and stage-2 training on them against torch. What the
-links carry is measured on the namespaced hosts (tests/test_netbed.py, slow)."""
+links carry is measured on the namespaced hosts (tests/zero/comm/test_netbed.py, slow)."""
 
 import itertools
 import threading
@@ -105,4 +105,4 @@ def test_stage3_across_hosts_matches_stage2_and_adamw():
     for r in dist_harness.values(dist_harness.run(W.stage3_on_two_hosts, 4, timeout=300)):
         assert r["relayed"], r
         assert r["losses_equal"] and r["equal_to_stage2"], r["losses"]
-        assert r["max_diff_ref"] < 2e-5, r["max_diff_ref"]  # tests/test_stage3.py's fp32 bound
+        assert r["max_diff_ref"] < 2e-5, r["max_diff_ref"]  # tests/zero/params/test_stage3.py's fp32 bound

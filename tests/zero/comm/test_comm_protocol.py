@@ -15,7 +15,7 @@ from zerokern.zero.comm.gloo import GlooComm
 from zerokern.zero.comm.hybrid import HybridComm
 from zerokern.zero.comm.protocol import CommProtocol
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
 def _bench_sim_comm():

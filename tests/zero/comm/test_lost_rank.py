@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 EXAMPLE = os.path.join(ROOT, "examples", "train_gpt.py")
 TINY = ["--steps", "8", "--batch", "8", "--ctx", "16", "--vocab", "32", "--d-model", "32", "--heads", "2",
         "--layers", "1", "--log-every", "1", "--ckpt-every", "2"]

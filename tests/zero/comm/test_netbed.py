@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import netbed  # noqa: E402
 
@@ -108,7 +108,7 @@ def test_rank_killed_on_one_host_both_hosts_resume(tmp_path, whole):
     agents restart their workers from the last DCP checkpoint (shared by the hosts), and the
     resumed job ends on the uninterrupted job's losses (the WHOLE job's)."""
     # torchrun polling every 2 s, not 0.1: the survivors have that long to raise before it stops
-    # them (tests/test_lost_rank.py)
+    # them (tests/zero/comm/test_lost_rank.py)
     log, out, _ = _on_two_hosts(tmp_path, "killed", WHOLE + ["--kill-at-step", "3"], restarts=1, timeout=300,
                                 monitor_interval=2)
     assert "killed at step 3" in out and "another rank is gone" in out, out[-6000:]

@@ -17,7 +17,7 @@ from zerokern.zero.core.layout import plan_layout
 from zerokern.zero.core.matrix_layout import matrix_cost, plan_matrix_layout
 from zerokern.zero.params.storage import FlatBuffers
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "bench"))
 from matrix_layout import gpt_shapes, llama_shapes  # noqa: E402
 
 MB = 2**20 // 4  # fp32 elements in a MB

@@ -5,7 +5,7 @@ models the stages themselves and is not runtime code."""
 import pathlib
 import re
 
-ROOT = pathlib.Path(__file__).resolve().parents[1] / "zerokern"
+ROOT = pathlib.Path(__file__).resolve().parents[3] / "zerokern"
 DEFINITION = ROOT / "zero" / "core" / "stage.py"
 # a stage number compared or tested: `stage == 3`, `zero_stage in (1, 2)`, `config.stage >= 1`, ...
 READ = re.compile(r"\b(zero_)?stage\s*(==|!=|>=|<=|>|<|\bin\b|\bnot in\b)|(==|!=|>=|<=|>|<)\s*\w*\.?(zero_)?stage\b")

@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_ddp_guard.py (run by dist_harness on 2 gloo ranks): plain
+"""Rank functions for tests/zero/grads/test_ddp_guard.py (run by dist_harness on 2 gloo ranks): plain
 training loops that wrap a FusedZeroAdam-trained model in torch's DistributedDataParallel,
 each reporting where it failed and with what."""
 

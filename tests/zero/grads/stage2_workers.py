@@ -1,4 +1,4 @@
-"""Workers for tests/test_stage2.py (run on gloo ranks by dist_harness)."""
+"""Workers for tests/zero/grads/test_stage2.py (run on gloo ranks by dist_harness)."""
 
 import contextlib
 import math

@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_param_gather.py: the all-gather of updated params left running
+"""Rank functions for tests/zero/params/test_param_gather.py: the all-gather of updated params left running
 after step() and waited for in the next forward ([Note: gather behind forward])."""
 
 import torch

@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_stage3_checkpoint.py: checkpoints of stage-3 models
+"""Rank functions for tests/zero/params/test_stage3_checkpoint.py: checkpoints of stage-3 models
 ([Note: stage-3 model state dicts] in zerokern/zero/params/model_state.py). The batch is the same at
 every world size (GLOBAL rows, split among the ranks), so a run resumed at another world size
 continues the same training."""

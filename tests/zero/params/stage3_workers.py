@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_stage3.py: params sharded too, gathered unit by unit for the
+"""Rank functions for tests/zero/params/test_stage3.py: params sharded too, gathered unit by unit for the
 forward and backward ([Note: stage-3 params] in zerokern/zero/params/per_unit.py)."""
 
 import gc

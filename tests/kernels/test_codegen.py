@@ -157,7 +157,8 @@ def triton_ptx():
     tests run Triton under TRITON_INTERPRET=1, where kernels are interpreted, not compiled."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "kernels" / "codegen_triton.py"), str(NUM_WARPS)], env=env,
+    script = pathlib.Path(__file__).with_name("codegen_triton.py")
+    proc = subprocess.run([sys.executable, str(script), str(NUM_WARPS)], env=env,
                           capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])

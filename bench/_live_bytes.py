@@ -1,5 +1,5 @@
 """Activation memory of one forward + backward on CPU, measured three ways (shared by
-bench/activation_memory.py and tests/test_plan_activations.py, so the test checks what the bench reports).
+bench/activation_memory.py and tests/plan/test_plan_activations.py, so the test checks what the bench reports).
 
 [Note: measuring activations on CPU] The CPU allocator keeps no statistics (no
 torch.cuda.max_memory_allocated); tracemalloc sees none of torch's allocations, and the resident

@@ -80,7 +80,7 @@ BUSY_CPUS = 0.25
 # (1e-4), the params up to 0.04: one ulp of the largest is 4e-5 of the update; implementations differ
 # by an ulp or two (operation order). A wrong lr, bias correction, missing state or a skipped
 # tensor is off by 1e-1 to 1. Weight decay at these settings moves a param by 1e-6 of itself,
-# under 1e-3 of the update: tests/test_adam.py checks it, this does not.
+# under 1e-3 of the update: tests/kernels/test_adam.py checks it, this does not.
 VALIDATE_TOL = 1e-3
 # How long a first (uncached) JIT build of DeepSpeed's C++ Adam took on the 2-core CI machine;
 # a loaded machine has taken ~7 minutes. A cached build loads in ~2 s (ninja: no work to do).
@@ -244,7 +244,7 @@ def implementations(case, device, with_reference, deepspeed_cls=None):
 
 
 class Reference:
-    """What one step of zerokern's plain-torch backend (the oracle tests/test_adam.py checks every
+    """What one step of zerokern's plain-torch backend (the oracle tests/kernels/test_adam.py checks every
     backend against) makes of the case's params, on a sample: every 97th element of each tensor
     and its first and last 64 (vector tails, list ends). Adam is elementwise, so the sample's
     update is the full one's; the reference then costs ~1% of a step, not several torch passes.

@@ -132,7 +132,7 @@ elif [ "$(left)" -lt 30 ]; then
 else
   sanitize() {
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --kernel-name kns=zerokern \
-      --error-exitcode 3 $py tests/cuda_sanitize.py > "$tmp.san" 2>&1
+      --error-exitcode 3 $py tests/kernels/cuda_sanitize.py > "$tmp.san" 2>&1
     local rc=$?
     cat "$tmp.san"
     # A sandboxed runtime may refuse the tool; that is not a finding about the kernels.

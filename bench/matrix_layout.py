@@ -10,7 +10,7 @@ time is reported for what it is).
 
 The GPT is nanoGPT's (tied embedding and head, nn.Linear weights as (out, in)); gradient order is
 the reverse of registration order, as zerokern's units lay params out ([Note: bucket order] in
-zerokern/zero/unit.py). tests/test_matrix_layout.py imports gpt_shapes from here.
+zerokern/zero/unit.py). tests/zero/core/test_matrix_layout.py imports gpt_shapes from here.
 """
 
 import argparse

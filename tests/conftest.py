@@ -1,6 +1,16 @@
 import os
+import sys
 
 import torch
+
+# The tests sit in folders by the wing they test (tests/README.md) and import the shared helpers here
+# and their worker modules, and other folders' ones, by bare name: every folder goes on sys.path. The
+# rank processes start with this sys.path (dist_harness hands it to them), so they find them too.
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+for _dir, _subdirs, _files in os.walk(_TESTS):
+    _subdirs[:] = sorted(d for d in _subdirs if d not in ("__pycache__", "scripts", "cpp"))
+    if _dir not in sys.path:
+        sys.path.append(_dir)
 
 # Triton kernels run on CPU tensors under the interpreter where no GPU is
 # visible. Must be set before triton is first imported.

@@ -23,10 +23,30 @@ from multiprocessing.connection import Pipe, wait
 import torch.multiprocessing as mp
 
 
+_run_dir = None  # in a rank process: its run's directory, where tell_ranks() and wait_for() meet
+
+
+def tell_ranks(what):
+    """In a rank: tell the other ranks of this run that `what` happened (a file in the run's
+    directory, so it takes no collective: for the orderings a test sets up around its collectives)."""
+    open(os.path.join(_run_dir, f"told-{what}"), "w").close()
+
+
+def wait_for(what, timeout=60):
+    """In a rank: return once a rank of this run called tell_ranks(what); raise after `timeout` s."""
+    path, deadline = os.path.join(_run_dir, f"told-{what}"), time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no rank told {what!r} within {timeout} s")
+        time.sleep(0.005)
+
+
 def _entry(fn, rank, world, tmp, args, backend):
     import torch
     import torch.distributed as dist
 
+    global _run_dir
+    _run_dir = tmp
     out = os.path.join(tmp, f"result{rank}.pkl")
     # One thread per rank unless the test's environment says otherwise, as torchrun starts its
     # processes (OMP_NUM_THREADS=1): two ranks on two cores, each with a pool of two threads that

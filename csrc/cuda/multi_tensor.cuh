@@ -96,7 +96,7 @@ struct alignas(sizeof(T) * V) Pack {
 // four STG.E for four floats, eight STG.E.U16 for eight halves; memcpy into a
 // uint4 or a union does not help either). So stores are written in PTX: one
 // st.global.v4.b32 of the Pack's 16 bytes, which ptxas emits as one plain
-// STG.E.128. tests/test_codegen.py reads the SASS to keep it that way.
+// STG.E.128. tests/kernels/test_codegen.py reads the SASS to keep it that way.
 template <typename T, int V>
 __device__ __forceinline__ Pack<T, V> load_pack(const T* ptr) {
   return *reinterpret_cast<const Pack<T, V>*>(ptr);

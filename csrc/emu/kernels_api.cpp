@@ -1,4 +1,4 @@
-// The emulated CUDA kernels' entry points, for the tests (tests/simt_emu.py calls them through
+// The emulated CUDA kernels' entry points, for the tests (tests/kernels/simt_emu.py calls them through
 // ctypes). Each fills the torch-free struct of csrc/include/zerokern as the torch binding
 // (csrc/torch/*_args.cpp) does and calls the CUDA host code of csrc/cuda, which launches its
 // kernels on the emulator (simt.h). No validation here: the tests pass valid tensors, and what

@@ -1,6 +1,6 @@
-// Kernels that check the SIMT emulator itself (tests/test_simt_emulator.py): each construct of
+// Kernels that check the SIMT emulator itself (tests/kernels/test_simt_emulator.py): each construct of
 // simt.h against what the CUDA programming guide says it does, and the errors a GPU would raise.
-// Built only into the emulated library (tests/simt_emu.py), never by nvcc.
+// Built only into the emulated library (tests/kernels/simt_emu.py), never by nvcc.
 #include <cuda_runtime.h>
 
 #include <cstdint>

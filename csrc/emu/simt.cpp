@@ -408,7 +408,7 @@ extern "C" __attribute__((visibility("hidden"))) void __ubsan_handle_type_mismat
                d->loc.file, d->loc.line, d->type->name, static_cast<unsigned long>(ptr), 1u << d->log_alignment);
 }
 
-// What the tests read and set (tests/simt_emu.py).
+// What the tests read and set (tests/kernels/simt_emu.py).
 ZK_EMU_API int zk_emu_last_error() { return zk_emu::last_error; }
 ZK_EMU_API const char* zk_emu_last_message() { return zk_emu::last_message.c_str(); }
 ZK_EMU_API void zk_emu_reset() {

@@ -2,8 +2,8 @@
 //
 // [Note: the SIMT emulator]
 // The .cu files of csrc/cuda are compiled, unchanged, by the host C++ compiler with this header
-// force-included (as nvcc force-includes cuda_runtime.h); tests/simt_emu.py builds them and the
-// tests call every __global__ through it (tests/test_cuda_emulated.py). What each construct
+// force-included (as nvcc force-includes cuda_runtime.h); tests/kernels/simt_emu.py builds them and the
+// tests call every __global__ through it (tests/kernels/test_cuda_emulated.py). What each construct
 // becomes:
 //   threadIdx, blockIdx,     thread_locals the launcher sets before it resumes a CUDA thread
 //   blockDim, gridDim
@@ -20,7 +20,7 @@
 //   atomics                  __atomic builtins (blocks run one after another, so they are atomic)
 //   half, bfloat16, dim3     CUDA's own headers (cuda_fp16.h, cuda_bf16.h, vector_types.h): their
 //                            host code is the device's conversion, round to nearest even, NaN 0x7FFF
-//   a launch <<<g, b>>>      tests/simt_emu.py rewrites `k<<<cfg>>>(args)` as
+//   a launch <<<g, b>>>      tests/kernels/simt_emu.py rewrites `k<<<cfg>>>(args)` as
 //                            `::zk_emu::launch(k, "k", cfg)(args)` (what nvcc's front end does to
 //                            the host pass); the arguments are converted to the parameters' types
 //                            and copied, the grid runs to completion, errors come back from

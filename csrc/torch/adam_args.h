@@ -1,7 +1,7 @@
 // Validation of fused_adam_'s arguments and their conversion to the torch-free
 // kernel structs (csrc/include/zerokern/adam.h). Shared by the CPU and CUDA
 // bindings; the Python backends apply the same rules in zerokern/_checks.py
-// (tests/test_adam_errors.py holds both to the same messages).
+// (tests/kernels/test_adam_errors.py holds both to the same messages).
 #pragma once
 
 #include <ATen/core/Tensor.h>  // not ATen/ATen.h (every op): 4x the parse time of each file (docs/build.md)

@@ -1,9 +1,9 @@
-"""Accelerate loop for tests/test_accelerate.py (torchrun, or plainly for one process): an MLP
+"""Accelerate loop for tests/integrations/test_accelerate.py (torchrun, or plainly for one process): an MLP
 trained with accumulate(), clip_grad_norm_ and a warmup schedule, with torch AdamW under
 Accelerate's DDP (--optimizer torch) or with FusedZeroAdam on an attach()ed Accelerator
 (--optimizer zero), or with zerokern.ZeroOptimizer over torch AdamW (--optimizer zero-opt). Checkpoints go through torch.distributed.checkpoint. Rank 0 writes the
 losses, the final params and the number of gradient reductions to --out. --optimizer zero-plain
-(tests/test_ddp_guard.py): FusedZeroAdam on a plain Accelerator (no attach), which must fail; each
+(tests/zero/grads/test_ddp_guard.py): FusedZeroAdam on a plain Accelerator (no attach), which must fail; each
 rank writes its error to --out.rank<r>."""
 
 import argparse

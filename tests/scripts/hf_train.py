@@ -1,9 +1,9 @@
-"""HF Trainer run for tests/test_hf_trainer.py (launched with torchrun, or plainly for one
+"""HF Trainer run for tests/integrations/test_hf_trainer.py (launched with torchrun, or plainly for one
 process): a tiny random-init GPT-2 on synthetic tokens, trained with torch AdamW under DDP
 (--optimizer torch) or with zerokern's ZeroTrainer (--optimizer zero: the FusedZeroAdam it builds;
 --optimizer zero-opt: a zerokern.ZeroOptimizer over torch AdamW and a warmup schedule passed in,
 with Trainer's param groups; after training every rank calls save_model and rank 0 reads it back
-with from_pretrained). Rank 0 writes the logged losses and the final params to --out. --optimizer zero-plain (tests/test_ddp_guard.py):
+with from_pretrained). Rank 0 writes the logged losses and the final params to --out. --optimizer zero-plain (tests/zero/grads/test_ddp_guard.py):
 a plain Trainer given a FusedZeroAdam, which must fail; each rank writes its error to
 --out.rank<r>."""
 

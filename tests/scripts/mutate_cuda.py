@@ -2,7 +2,7 @@
 see what they do.
 
 Each mutation is one deliberately wrong index or bound in a copy of csrc/cuda (a scratch build on
-the SIMT emulator, tests/simt_emu.py); the emulated tests of its kernel family must then fail.
+the SIMT emulator, tests/kernels/simt_emu.py); the emulated tests of its kernel family must then fail.
 The unmutated sources must pass the same tests first.
 
     python tests/scripts/mutate_cuda.py                  # every mutation
@@ -25,7 +25,7 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-TEST = "tests/test_cuda_emulated.py"
+TEST = "tests/kernels/test_cuda_emulated.py"
 
 # family -> the tests (-k) that cover it
 FAMILIES = {"adam": "adam_kernel", "cast": "cast_kernel", "lowbit": "lowbit_kernel", "wire": "wire_"}

@@ -41,7 +41,7 @@ note saying where the state is instead).
 What is said of FusedZeroAdam here holds for every zerokern optimizer (ZeroOptimizer too),
 recognised by zerokern.optim.engine_optimizer.zero_optimizer_in.
 Everything else, and every other model, goes to Accelerate unchanged.
-tests/test_accelerate.py pins this to the Accelerate version installed.
+tests/integrations/test_accelerate.py pins this to the Accelerate version installed.
 """
 
 import collections

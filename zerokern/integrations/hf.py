@@ -28,7 +28,7 @@ Trainer special-cases DeepSpeed and FSDP:
   rank 0 only, which would hold rank 0's shard), so resume_from_checkpoint
   works at any world size.
 Trainer's own _save_optimizer_and_scheduler, _load_optimizer_and_scheduler
-and _save (which save_model calls with the gathered weights) are private; tests/test_hf_trainer.py pins
+and _save (which save_model calls with the gathered weights) are private; tests/integrations/test_hf_trainer.py pins
 them to the transformers version installed.
 """
 

@@ -1,7 +1,7 @@
 """Argument checks for the Python backends (torch, triton).
 
 The C++ backends check the same rules in csrc/torch/adam_args.cpp with the same
-wording; tests/test_adam_errors.py runs every bad input through every backend.
+wording; tests/kernels/test_adam_errors.py runs every bad input through every backend.
 Errors name the culprit: "grads[3] has 4097 elements, params[3] has 4096".
 """
 

@@ -10,7 +10,7 @@ zero/state/swap.py), and streamed through the store's ring of aligned buffers. A
   param shard), that part of the grad (copied, divided as ZeroOptimizer._update divides it), and
   a state dict whose per-element entries are its parts of the chunk's state buffers. An
   elementwise optimizer gives each element the numbers it gives on the whole piece, so the
-  result is bit for bit the in-memory one (tests/test_nvme_offload.py). Per-element state the
+  result is bit for bit the in-memory one (tests/zero/state/test_nvme_offload.py). Per-element state the
   optimizer makes at a piece's first step (momentum_buffer) is copied into the buffers;
 - the other entries (Adam's step, ASGD's eta and mu) are per piece, not per element: each chunk
   steps clones of them, and the piece takes the values of its first chunk (every chunk gives the

@@ -41,12 +41,12 @@ At load, the carried sum goes back into the residuals so that the next reduction
 Resuming at the same world size is therefore not bit-exact: before the save, rank i rounded
 g_i + r_i; after the load it rounds g_i + (its share of the carried sum), another value, so the
 first reduction's rounding (and everything after it) differs by quantization noise, while the
-sum of what is carried is the same (tests/test_wire_checkpoint.py checks that the carried value
+sum of what is carried is the same (tests/optim/test_wire_checkpoint.py checks that the carried value
 folded again after a load is the saved one, to bf16, at every layout). The round in progress (a
 pending residual, like unreduced grads) is not saved. On one process nothing is reduced, so
 nothing is quantized and the carried gradient is dropped.
 
-What it is worth, measured (tests/wire_checkpoint_effect.py: 3 steps, save, 4 steps; the largest
+What it is worth, measured (tests/optim/wire_checkpoint_effect.py: 3 steps, save, 4 steps; the largest
 relative loss difference from the run that did not stop, with the residuals restored | dropped
 after the load | an uninterrupted run at the loading layout, for scale):
     2 -> 2 ranks, stage 2, int8: 9.3e-04 | 6.8e-04 | 0

@@ -47,7 +47,7 @@ import math
 from dataclasses import dataclass
 
 # the choices of zerokern/zero/comm/wire.py (REDUCE_PRECISIONS, GATHER_PRECISIONS), repeated here
-# so that the planner imports no torch; tests/test_plan_wire.py checks that they match
+# so that the planner imports no torch; tests/plan/test_plan_wire.py checks that they match
 REDUCE_PRECISIONS = (None, "fp32", "bf16", "int8", "int4")
 GATHER_PRECISIONS = (None, "int8")
 BLOCK = 64  # elements per fp32 scale (kernels/wire.py's BLOCK; a test checks they agree)

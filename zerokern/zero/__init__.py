@@ -1,4 +1,4 @@
-"""The ZeRO runtime, in wings whose imports point down only (tests/test_layers.py keeps it so):
+"""The ZeRO runtime, in wings whose imports point down only (tests/zero/test_layers.py keeps it so):
 
     api.py, engine.py      zerokern.shard / full_state_dict; the ZeroEngine an optimizer drives
     unit.py                a ShardUnit: one module's params in flat buckets, its hooks, who owns a param

@@ -14,7 +14,7 @@ The oracle is zerokern's CPU kernel, not the plain-torch reference: the suite ho
 to the reference on every CI run (bit for bit where the reference is exact), and the reference
 itself costs 7 ms (wire) to 260 ms (low-bit Philox in int64 tensor ops) where the CPU kernel costs
 tens of microseconds. The tolerances are the suite's own for a compiled kernel against the
-reference (tests/test_adam.py, test_lowbit.py): fp32 rounding order may differ, a wrong element
+reference (tests/kernels/test_adam.py, test_lowbit.py): fp32 rounding order may differ, a wrong element
 may not.
 
 Not checked: a launch inside CUDA graph capture or torch.compile tracing (no synchronous copy is
@@ -147,7 +147,7 @@ def _first(*problems):
 # tensor shifted by one element.
 _SIZES, _SHIFTS = (3, 1029), (0, 1)
 # fp32 masters after one step, compiled kernel against compiled kernel: the rounding order of
-# adam.h's arithmetic may differ by a few ulps (tests/test_adam.py's TOL after a few steps)
+# adam.h's arithmetic may differ by a few ulps (tests/kernels/test_adam.py's TOL after a few steps)
 _ADAM_TOL = dict(rtol=2e-6, atol=1e-7)
 
 
@@ -210,7 +210,7 @@ def _lowbit(device, backend, oracle):
                                model_params=[model], index_bases=[1000003], seed=11, backend=name)
         runs.append((p, m, v, m_s, v_s, model))
     (p, m, v, m_s, v_s, model), want = runs
-    # tests/test_lowbit.py's bounds for a compiled kernel: a code may move to its neighbour, and so a
+    # tests/kernels/test_lowbit.py's bounds for a compiled kernel: a code may move to its neighbour, and so a
     # param by lr x 2^-7, where a moment lies within fp32 rounding of a cell's edge: rarely (at most
     # 1 in 100 here, on 556 elements; the absmax bug above moved 3 in 4)
     rare = 0.01

@@ -16,7 +16,7 @@ that the mask is constant over a vector. Pointers read from a table prove
 nothing, so the host checks them: when every pointer of a launch is 16-byte
 aligned the kernel is compiled with ALIGNED and hints it (tl.multiple_of).
 Full tiles run unmasked; only a tensor's last, partial tile is masked.
-tests/test_codegen.py compiles every variant for sm_90 and reads the PTX.
+tests/kernels/test_codegen.py compiles every variant for sm_90 and reads the PTX.
 """
 
 import collections

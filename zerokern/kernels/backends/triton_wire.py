@@ -17,7 +17,7 @@ from . import triton_common
 from .triton_lowbit import _random16
 
 BLOCK = wire.BLOCK
-# every launch's compile options: see the module's docstring (tests/codegen_triton.py compiles with them too)
+# every launch's compile options: see the module's docstring (tests/kernels/codegen_triton.py compiles with them too)
 OPTIONS = {"enable_fp_fusion": False}
 
 

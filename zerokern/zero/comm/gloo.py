@@ -43,7 +43,7 @@ from .works import DONE, AllOf, Pending, Then
 # order, then the hosts in the order of their first ranks) whatever order the messages arrive
 # in, so a result does not depend on timing. That is not the order of gloo's all-reduce, so
 # the sums differ from the one-host path in the last bits, within the same bound (one rounding
-# per add either way; tests/test_across_hosts.py checks the order bit for bit and the error).
+# per add either way; tests/zero/comm/test_across_hosts.py checks the order bit for bit and the error).
 # Hosts of unequal size work too: relay(h, c) wraps the owner's index on its host (the sends
 # are then spread less evenly). The second step of each collective waits for the first, so a
 # thread per group runs them ([Note: the relay thread]). Which ranks share a host is agreed

@@ -26,7 +26,7 @@ _RESTART_HINT = ("If torchrun restarted the workers (--max-restarts) with --rdzv
 # makes its local groups off the books: salted by a counter of its own per set of ranks (the
 # members make the check's groups for a set of ranks in the same order), from a range torch's
 # counter never reaches, and torch's counter is put back afterwards.
-# (tests/test_agreement_patterns.py: a sub-group trained on, then a world group.)
+# (tests/zero/comm/test_agreement_patterns.py: a sub-group trained on, then a world group.)
 _OFF_THE_BOOKS = 1 << 48
 
 

@@ -1,6 +1,6 @@
 """What the runtime asks of a Comm, written down: Comm (base.py), GlooComm (gloo.py), HybridComm
 (hybrid.py) and any stand-in (bench/overlap.py's simulated link) satisfy it, and
-tests/test_comm_protocol.py checks each against it, so a new member cannot be added to one
+tests/zero/comm/test_comm_protocol.py checks each against it, so a new member cannot be added to one
 and forgotten in another.
 
 Every collective is asynchronous: it returns a work object (`wait()`, `is_completed()`) that

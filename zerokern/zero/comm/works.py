@@ -195,4 +195,4 @@ def finished(work, seconds) -> bool:
     return True  # done when returned (an object all-gather)
 
 
-_Done = Done  # (the name tests/test_wire_gather.py imports)
+_Done = Done  # (the name tests/zero/params/test_wire_gather.py imports)

@@ -1,7 +1,7 @@
 """The one place that says what a ZeRO stage means: ShardConfig (the options a user picks, the
 stage among them) and Strategy, built from (stage, world size) by Strategy.of and read by every
 other file as values (GradMode, ParamMode and two flags). No other file compares a stage number
-(tests/test_stage_definition.py checks that).
+(tests/zero/core/test_stage_definition.py checks that).
 
     stage  world  state     grads                 after step()       params
     0      any    whole     ALL_REDUCE (average)  kept               WHOLE

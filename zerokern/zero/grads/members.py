@@ -4,7 +4,7 @@ the runtime set there last (`bound`), and the bucket that holds it. The grad pat
 or a bucket transition finds what it needs here, without reaching back into the FlatParams.
 
 [Note: a short grad walk] One bucket's grad at stage 2 goes hook -> grad path -> bucket ->
-schedule, and back only for the update (tests/test_call_trace.py counts the functions it enters).
+schedule, and back only for the update (tests/zero/test_call_trace.py counts the functions it enters).
 The checks that run per grad or per member test their condition inline and call out only to
 raise or to act, so the usual case (a grad that autograd hands over, a .grad still the one bound)
 costs no call of its own.

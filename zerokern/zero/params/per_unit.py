@@ -53,7 +53,7 @@ from ..core.states import ParamState
 # dynamo compiled inside the hooks, one per unit, so a compiled model recompiled for every unit
 # until dynamo's recompile limit and then ran those frames eagerly (issue 39). Opaque, each hook is
 # one graph break at the module call, the same for every unit; the module's own forward is still
-# compiled, once for every unit of one shape (tests/test_stage3_patterns.py counts the frames).
+# compiled, once for every unit of one shape (tests/zero/params/test_stage3_patterns.py counts the frames).
 _opaque = torch.compiler.disable
 
 

@@ -18,7 +18,7 @@ bit-identical params: the same bytes, decoded and added by the same ops.
   the master), and every rank adds decode(delta) to its copy. What one gather's rounding lost is
   in the next delta, so the held params never drift from the master by more than one gather's
   rounding: |master - held| < scale + one rounding of the add, scale = (absmax of the delta's
-  block) / 127, per element (tests/test_wire_gather.py checks it over hundreds of steps). The
+  block) / 127, per element (tests/zero/params/test_wire_gather.py checks it over hundreds of steps). The
   stores keep the master apart from the params for this (ShardStore's `holds_gathered`).
 The rounding is stochastic, as encode_ does it: unbiased (E[decode] = the value sent), so a
 param that moves by less than a step between gathers still moves on average, where rounding to

@@ -138,3 +138,30 @@ def bad_groups(rank, world, cls_name, which):
     except ValueError as e:
         return str(e), before == [p.data_ptr() for p in model.parameters()]
     return None, None
+
+
+def checkpoint(rank, world, cls_name, stage):
+    """After 2 steps with every param in cls's group (so the whole state dict is torch's layout):
+    cls on one process loads the state dict (gathered from the owners), and a new ZeroOptimizer on
+    these ranks loads torch's; the three then take the same 2 next steps as the run that was not
+    interrupted. Returns (state shapes and steps, same as the one-process resume, same as the
+    ZeroOptimizer resume)."""
+    cls = getattr(torch.optim, cls_name)
+    xs = batches(torch.float32)[:4]
+    model = net(torch.float32)
+    opt = zerokern.ZeroOptimizer(groups(model, cls, True), torch.optim.AdamW, zero_stage=stage, bucket_cap_mb=1e-3)
+    _train(model, opt, xs[:2])
+    sd = opt.state_dict()
+    one = copy.deepcopy(model)
+    one_opt = cls(one.parameters(), **INNER[cls_name])
+    one_opt.load_state_dict(copy.deepcopy(sd))  # as torch between two optimizers: it keeps what it is given
+    again = copy.deepcopy(model)
+    again_opt = zerokern.ZeroOptimizer(groups(again, cls, True), torch.optim.AdamW, zero_stage=stage,
+                                       bucket_cap_mb=1e-3)
+    again_opt.load_state_dict(one_opt.state_dict())  # torch's layout in, each rank takes what it owns
+    for m, o in ((model, opt), (one, one_opt), (again, again_opt)):
+        _train(m, o, xs[2:])
+    layout = [{k: (list(v.shape), v.item() if v.dim() == 0 else None) for k, v in st.items()}
+              for _, st in sorted(sd["state"].items())]
+    return (layout, [torch.equal(p, q) for p, q in zip(model.parameters(), one.parameters())],
+            [torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters())])

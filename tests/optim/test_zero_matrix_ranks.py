@@ -84,3 +84,20 @@ def test_a_bad_group_is_refused_on_every_rank_by_name(cls, which, message):
                                                                                   timeout=120))):
         assert text is not None and re.search(message, text), f"rank {rank}: {text}"
         assert untouched, "refused before the engine took the params"
+
+
+@pytest.mark.parametrize("world, stage", [(2, 1), (2, 2), (4, 2)])
+def test_adafactor_state_dict_is_torchs_both_ways_on_ranks(world, stage):
+    """Every param in the Adafactor group: every rank's state dict holds each param's step, row_var
+    and col_var (variance for a 1-D one) in torch's shapes, gathered from the owners; a one-process
+    torch.optim.Adafactor resumes from it, and ZeroOptimizer from torch's, bit for bit."""
+    if not hasattr(torch.optim, "Adafactor"):
+        pytest.skip("torch.optim.Adafactor is torch 2.5+")
+    model = W.net(torch.float32)
+    want = [{"step": ([], 2.0), "row_var": ([p.shape[0], 1], None), "col_var": ([1, p.shape[1]], None)}
+            if p.dim() == 2 else {"step": ([], 2.0), "variance": (list(p.shape), None)} for p in model.parameters()]
+    for rank, (layout, one, again) in enumerate(dist_harness.values(
+            dist_harness.run(W.checkpoint, world, "Adafactor", stage, timeout=300))):
+        assert layout == want, f"rank {rank}: torch's layout, every param's state on every rank"
+        assert all(one), f"rank {rank}: torch.optim.Adafactor resumed from it: {one}"
+        assert all(again), f"rank {rank}: a {world}-rank ZeroOptimizer resumed from torch's: {again}"

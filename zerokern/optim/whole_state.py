@@ -41,7 +41,8 @@ def check_whole_matrices(cls, why, params, names, sharding, two_d=True):
     in memory.
     Returns whether the params are sharded over several processes (the matrix layout is needed)."""
     if not params:
-        raise ValueError(f"ZeroOptimizer: a {cls} param group has no params; give it the 2-D hidden weights")
+        raise ValueError(f"ZeroOptimizer: the {cls} param group has no trainable params (each has requires_grad "
+                         "False); give it the params it should step, or leave the group out")
     for k, p in params:
         if two_d and p.dim() != 2:
             name = f"params[{k}] ({names[p]!r})" if p in names else f"params[{k}]"

@@ -134,6 +134,7 @@ def test_adafactor_and_adamw_groups_are_one_process_adafactor_and_adamw():
 
 @pytest.mark.parametrize("which, message", [
     ("empty", r"param group 0 \(Adafactor\) has no params; give it its params, or leave the group out"),
+    ("frozen", r"the Adafactor param group has no trainable params \(each has requires_grad False\)"),
     ("with muon", r"param group 1 \(Adafactor\) beside a group of another whole-tensor class")])
 def test_a_bad_adafactor_group_is_refused_by_name(which, message):
     model = _model()
@@ -141,6 +142,10 @@ def test_a_bad_adafactor_group_is_refused_by_name(which, message):
     rest = [p for p in model.parameters() if p.dim() != 2]
     if which == "empty":
         groups = [{"params": [], "optimizer": torch.optim.Adafactor}, {"params": list(model.parameters())}]
+    elif which == "frozen":
+        for p in matrices:
+            p.requires_grad_(False)
+        groups = [{"params": matrices, "optimizer": torch.optim.Adafactor}, {"params": rest}]
     else:
         if not hasattr(torch.optim, "Muon"):
             pytest.skip("torch.optim.Muon is torch 2.9+")

@@ -35,12 +35,14 @@ from ..zero.unit import unit_of
 
 
 def check_whole_matrices(cls, why, params, names, sharding, two_d=True):
-    """[Note: whole matrices on their owners]: raise, naming the culprit, unless every param of
-    a matrix optimizer's groups is 2-D (two_d: Muon's), there is one, and the layout can hold them whole: params
-    this optimizer buckets itself (no shard() units on several processes), no mesh, in memory.
+    """[Note: whole matrices on their owners]: raise, naming the culprit, unless there is a param,
+    each is 2-D where two_d (Muon's; Adafactor takes any shape), and the layout can hold them
+    whole: params this optimizer buckets itself (no shard() units on several processes), no mesh,
+    in memory.
     Returns whether the params are sharded over several processes (the matrix layout is needed)."""
     if not params:
-        raise ValueError(f"ZeroOptimizer: a {cls} param group has no params; give it the 2-D hidden weights")
+        raise ValueError(f"ZeroOptimizer: the {cls} param group has no trainable params (each has requires_grad "
+                         "False); give it the params it should step, or leave the group out")
     for k, p in params:
         if two_d and p.dim() != 2:
             name = f"params[{k}] ({names[p]!r})" if p in names else f"params[{k}]"

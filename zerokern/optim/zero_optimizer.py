@@ -334,7 +334,7 @@ class ZeroOptimizer(EngineOptimizer):
         _, _, n, start = self._where[t]
         if t not in self._whole:
             return (n,)
-        if n == 0:  # (0, n) for a matrix: Muon takes 2-D params only
+        if n == 0:  # (0, columns) for a matrix (Muon takes 2-D params only), (0,) for a 1-D param
             return (0, *self._shape(t)[1:])
         if start != 0 or n != self._numel(t):  # the matrix layout keeps every matrix whole
             raise RuntimeError(f"ZeroOptimizer: {self._member(t)[1] or f'param {t}'} is split across ranks "

@@ -11,55 +11,42 @@ reduced, unscaled, clipped grad, and the other ranks' empty (0, n) pieces withou
 torch's Muon skips (its _init_group passes over a param whose .grad is None). So Newton-Schulz
 runs once per matrix and step, on one rank, in torch's own code; the usual gather then brings
 every rank the new values. opt.matrices_stepped counts the matrices this rank stepped.
-Not offered: zerokern.shard() units (laid out before the optimizer is known, so stage 3 too), a
-mesh (its replicas would each need the plan), and state on disk (InnerStream steps chunks).
+zerokern.shard() units are laid out before the optimizer is known, so shard(matrices=...) names
+the matrices there ([Note: whole matrices in units] in zero/core/whole_matrices.py): stage 3 then
+steps the same way, the owner's slice of its bucket being the whole matrix. On a mesh the plan
+is the shard group's: each replica group has one owner per matrix, so NS runs once per matrix
+per replica (the replicas' updates are identical, as every update is under hybrid sharding).
+Not offered: state on disk (InnerStream steps chunks).
 
 [Note: whole state in checkpoints] The owner's state of a matrix (Muon's momentum_buffer) has
 the param's shape, the others' none. state_dict() gathers it from the owners (one all-reduce of
-every matrix's state, the non-owners adding zeros): every rank's dict then has the whole tensors,
+every matrix's state over the shard group, the non-owners adding zeros): every rank's dict then has the whole tensors,
 torch.optim.Muon's layout, which a one-process torch.optim.Muon loads as it is, and which
 load_state_dict hands back to whichever rank owns each matrix at this world size.
 """
 
 import torch
-import torch.distributed as dist
 
 from ..zero.unit import unit_of
 
 
 def check_whole_matrices(cls, why, params, names, sharding):
     """[Note: whole matrices on their owners]: raise, naming the culprit, unless every param of
-    a matrix optimizer's groups is 2-D, there is one, and the layout can hold them whole: params
-    this optimizer buckets itself (no shard() units on several processes), no mesh, in memory.
-    Returns whether the params are sharded over several processes (the matrix layout is needed)."""
+    a matrix optimizer's groups is 2-D, there is one, and its state is in memory. Where shard()
+    laid the params out, the engine checks that it kept them whole ([Note: whole matrices in units])."""
     if not params:
         raise ValueError(f"ZeroOptimizer: a {cls} param group has no params; give it the 2-D hidden weights")
     for k, p in params:
-        if p.dim() != 2:
+        if p.dim() != 2:  # a stage-3 param between gathers answers with its full shape
             name = f"params[{k}] ({names[p]!r})" if p in names else f"params[{k}]"
             raise ValueError(f"ZeroOptimizer: {cls} {why}, and takes 2-D params only: {name} has shape "
                              f"{list(p.shape)}. Give its param group the 2-D hidden weights only, and the other "
                              "params (embeddings, norms, biases) another optimizer")
     units = [u for u in (unit_of(p) for _, p in params) if u is not None]
-    if units:
-        world, offload, mesh = units[0].comm.world_size, units[0].config.offload, None
-    else:
-        group, offload, mesh = sharding.get("process_group"), sharding.get("offload"), sharding.get("mesh")
-        world = dist.get_world_size(group) if group is not None or (dist.is_available() and dist.is_initialized()) \
-            else 1
-    if mesh is not None:
-        raise ValueError(f"ZeroOptimizer: {cls} {why}. On a mesh each replica group would need the matrix-whole "
-                         "layout (zerokern/zero/core/matrix_layout.py), not wired in yet (issue 51); use "
-                         "process_group= (stages 1 and 2)")
-    if units and world > 1:
-        raise ValueError(f"ZeroOptimizer: {cls} {why}, so on {world} processes its params are laid out whole in one "
-                         f"rank's shard each, but unit '{units[0].name}' was laid out by zerokern.shard() before the "
-                         "optimizer was known (stage 3 needs such units: not offered yet, issue 51). Pass the params "
-                         "without shard(), at zero_stage 1 or 2")
+    offload = units[0].config.offload if units else sharding.get("offload")
     if getattr(offload, "device", None) == "nvme":
         raise ValueError(f"ZeroOptimizer: {cls} {why}, and OffloadPolicy(device='nvme') steps chunks of the params; "
                          "use OffloadPolicy(device='cpu') or none")
-    return world > 1 and not units
 
 
 @torch.no_grad()
@@ -83,7 +70,8 @@ def gather_from_owners(comm, entries):
         if v is not None:
             flat[at:at + n].copy_(v.reshape(-1))
         at += n
-    comm.wait(comm.all_reduce(flat, name="whole_state"))
+    shards = comm.shards  # one owner per matrix there; a mesh's replicas each hold a copy
+    shards.wait(shards.all_reduce(flat, name="whole_state"))
     at = 0
     for st, key, shape, _ in wanted:
         n = torch.Size(shape).numel()

@@ -1,0 +1,158 @@
+"""Per-rank bodies of test_zero_muon_units.py: ZeroOptimizer with a torch.optim.Muon group and an
+AdamW group at stage 3 (zerokern.shard units laid out with matrices=) and on a (replicate, shard)
+mesh, every rank on the same batch, against one-process torch.optim.Muon + torch.optim.AdamW."""
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import zerokern
+
+STEPS = 20
+MUON = dict(lr=0.02, weight_decay=0.01, momentum=0.9)
+ADAMW = dict(lr=3e-3, betas=(0.8, 0.9), weight_decay=0.05)
+
+
+class _Layer(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.up = nn.Linear(d, h)
+        self.norm = nn.LayerNorm(h)
+        self.down = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.norm(self.up(x))))
+
+
+class Net(nn.Module):
+    """What users give Muon and AdamW: 2-D hidden weights (odd and rectangular both ways), and an
+    embedding, biases, norms and a head; two blocks, each a unit at stage 3."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 9)
+        self.blocks = nn.ModuleList([_Layer(9, 21), _Layer(9, 13)])
+        self.head = nn.Linear(9, 3)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h).float().square().mean()
+
+
+def hidden(model):
+    return [p for n, p in model.named_parameters() if n.startswith("blocks.") and p.dim() == 2]
+
+
+def _groups(model):
+    mine = hidden(model)
+    rest = [p for p in model.parameters() if not any(p is q for q in mine)]
+    return mine, rest
+
+
+def _net(dtype):
+    torch.manual_seed(5)
+    return Net().to(dtype)
+
+
+class _Reference:
+    """torch.optim.Muon on the hidden matrices and torch.optim.AdamW on the rest, on fp32 masters
+    of the params as zerokern keeps them (for fp32 params, the params themselves): the step reads
+    the grads as fp32, the params are the masters rounded to nearest."""
+
+    def __init__(self, model):
+        self.params = list(model.parameters())
+        fp32 = self.params[0].dtype == torch.float32
+        self.masters = self.params if fp32 else [p.detach().float().requires_grad_() for p in self.params]
+        at = {id(p): k for k, p in enumerate(self.params)}
+        mine, rest = _groups(model)
+        self.opts = [torch.optim.Muon([self.masters[at[id(p)]] for p in mine], **MUON),
+                     torch.optim.AdamW([self.masters[at[id(p)]] for p in rest], **ADAMW)]
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self):
+        if self.masters is not self.params:
+            for p, m in zip(self.params, self.masters):
+                m.grad = p.grad.float()
+        for o in self.opts:
+            o.step()
+        if self.masters is not self.params:
+            for p, m in zip(self.params, self.masters):
+                p.copy_(m)
+
+
+def _built(stage, mesh, dtype, by_name):
+    """A model and its ZeroOptimizer: at stage 3 each block and the root a unit, the matrices named
+    to shard() by the param list or (by_name) by a predicate; at stage 2 the optimizer lays them out."""
+    model = _net(dtype)
+    mine, _ = _groups(model)
+    where = {} if mesh is None else {"mesh": mesh}
+    if stage == 3:
+        matrices = (lambda name, p: p.dim() == 2 and not name.startswith(("emb", "head"))) if by_name else mine
+        for b in model.blocks:
+            zerokern.shard(b, stage=3, bucket_cap_mb=1e-4, matrices=matrices, **where)
+        zerokern.shard(model, stage=3, bucket_cap_mb=1e-4, matrices=matrices, **where)
+        kw = where
+    else:
+        kw = dict(zero_stage=stage, bucket_cap_mb=1e-4, **where)
+    mine, rest = _groups(model)
+    opt = zerokern.ZeroOptimizer([{"params": mine, "optimizer": torch.optim.Muon, **MUON},
+                                  {"params": rest, **ADAMW}], torch.optim.AdamW, **kw)
+    return model, opt
+
+
+def _batches():
+    g = torch.Generator().manual_seed(6)
+    return [torch.randint(0, 11, (8, 5), generator=g) for _ in range(STEPS)]
+
+
+def same_batch(rank, world, cases):
+    """cases: [(stage, mesh, dtype, by_name)]. Per case: (max |param - reference|, matrices this
+    rank stepped, the matrices it owns (by index among the hidden ones), its params after the
+    steps, the ranks of its shard group, the largest momentum difference from the reference's
+    in the state dict)."""
+    out = []
+    for stage, mesh, dtype, by_name in cases:
+        ref = _net(dtype)
+        ref_opt = _Reference(ref)
+        model, opt = _built(stage, mesh, dtype, by_name)
+        for x in _batches():
+            ref_opt.zero_grad()
+            ref(x).backward()
+            ref_opt.step()
+            opt.zero_grad()
+            model(x).backward()
+            opt.step()
+        full = zerokern.full_state_dict(model, rank0_only=False)
+        diff = max((full[n].float() - q.float()).abs().max().item() for n, q in ref.state_dict().items())
+        count = len(hidden(ref))
+        owned = [t for t, piece in opt._piece.items() if t in opt._whole and piece.numel()]
+        sd = opt.state_dict()  # a collective: each matrix's momentum from its owner in the shard group
+        mom = max((sd["state"][k]["momentum_buffer"] - st["momentum_buffer"]).abs().max().item()
+                  for k, st in ref_opt.opts[0].state_dict()["state"].items())
+        group = dist.get_process_group_ranks(opt.engine.comm.group)
+        out.append((diff, opt.matrices_stepped, len(owned), {n: v.clone() for n, v in full.items()}, group, mom,
+                    count))
+        del opt, model
+    return out
+
+
+def unlaid(rank, world, stage):
+    """Units laid out by shard() without one of the matrices: the optimizer names it and the fix."""
+    model = _net(torch.float32)
+    mine, _ = _groups(model)
+    for b in model.blocks:
+        zerokern.shard(b, stage=stage, bucket_cap_mb=1e-4, matrices=mine[:1])
+    zerokern.shard(model, stage=stage, bucket_cap_mb=1e-4, matrices=mine[:1])
+    mine, rest = _groups(model)
+    try:
+        zerokern.ZeroOptimizer([{"params": mine, "optimizer": torch.optim.Muon, **MUON}, {"params": rest, **ADAMW}],
+                               torch.optim.AdamW)
+    except ValueError as e:
+        return str(e)
+    return None

@@ -14,24 +14,30 @@ ADAMW = dict(lr=3e-3, betas=(0.8, 0.9), weight_decay=0.05)
 
 
 class _Layer(nn.Module):
-    def __init__(self, d, h):
+    def __init__(self, d, h, wide):
         super().__init__()
         self.up = nn.Linear(d, h)
         self.norm = nn.LayerNorm(h)
         self.down = nn.Linear(h, d, bias=False)
+        # wide: four matrices a block, one for each of 4 ranks (owners are balanced within a unit)
+        self.gate = nn.Linear(d, h, bias=False) if wide else None
+        self.mix = nn.Linear(h, h, bias=False) if wide else None
 
     def forward(self, x):
-        return x + self.down(torch.tanh(self.norm(self.up(x))))
+        h = self.up(x)
+        if self.gate is not None:
+            h = self.mix(h * torch.sigmoid(self.gate(x)))
+        return x + self.down(torch.tanh(self.norm(h)))
 
 
 class Net(nn.Module):
     """What users give Muon and AdamW: 2-D hidden weights (odd and rectangular both ways), and an
     embedding, biases, norms and a head; two blocks, each a unit at stage 3."""
 
-    def __init__(self):
+    def __init__(self, wide=False):
         super().__init__()
         self.emb = nn.Embedding(11, 9)
-        self.blocks = nn.ModuleList([_Layer(9, 21), _Layer(9, 13)])
+        self.blocks = nn.ModuleList([_Layer(9, 21, wide), _Layer(9, 13, wide)])
         self.head = nn.Linear(9, 3)
 
     def forward(self, x):
@@ -51,9 +57,9 @@ def _groups(model):
     return mine, rest
 
 
-def _net(dtype):
+def _net(dtype, wide=False):
     torch.manual_seed(5)
-    return Net().to(dtype)
+    return Net(wide).to(dtype)
 
 
 class _Reference:
@@ -86,10 +92,10 @@ class _Reference:
                 p.copy_(m)
 
 
-def _built(stage, mesh, dtype, by_name):
+def _built(stage, mesh, dtype, by_name, wide):
     """A model and its ZeroOptimizer: at stage 3 each block and the root a unit, the matrices named
     to shard() by the param list or (by_name) by a predicate; at stage 2 the optimizer lays them out."""
-    model = _net(dtype)
+    model = _net(dtype, wide)
     mine, _ = _groups(model)
     where = {} if mesh is None else {"mesh": mesh}
     if stage == 3:
@@ -112,15 +118,16 @@ def _batches():
 
 
 def same_batch(rank, world, cases):
-    """cases: [(stage, mesh, dtype, by_name)]. Per case: (max |param - reference|, matrices this
+    """cases: [(stage, mesh, dtype, by_name)]; on 4 ranks without a mesh the model is wide. Per case: (max |param - reference|, matrices this
     rank stepped, the matrices it owns (by index among the hidden ones), its params after the
     steps, the ranks of its shard group, the largest momentum difference from the reference's
     in the state dict)."""
     out = []
     for stage, mesh, dtype, by_name in cases:
-        ref = _net(dtype)
+        wide = world == 4 and mesh is None
+        ref = _net(dtype, wide)
         ref_opt = _Reference(ref)
-        model, opt = _built(stage, mesh, dtype, by_name)
+        model, opt = _built(stage, mesh, dtype, by_name, wide)
         for x in _batches():
             ref_opt.zero_grad()
             ref(x).backward()

@@ -1,10 +1,10 @@
 """ZeroOptimizer with a torch.optim.Muon group beside an AdamW group where zerokern.shard() lays the
-params out: stage 3 on 2 ranks (units laid out with shard(matrices=...), [Note: whole matrices in
-units] in zerokern/zero/core/whole_matrices.py) and a 2 x 2 (replicate, shard) mesh. Every rank on
-the same batch, so the reduced grads are one process's bit for bit: after 20 steps the params
-equal one-process torch.optim.Muon + torch.optim.AdamW (same thread count: the harness's one),
-every rank's alike bit for bit, and Newton-Schulz ran once per matrix and step in each shard
-group. Bodies in muon_units_workers.py."""
+params out: stage 3 on 2 and 4 ranks (units laid out with shard(matrices=...), [Note: whole
+matrices in units] in zerokern/zero/core/whole_matrices.py) and a 2 x 2 (replicate, shard) mesh.
+Every rank on the same batch, so the reduced grads are one process's bit for bit: after 20 steps
+the params equal one-process torch.optim.Muon + torch.optim.AdamW (same thread count: the
+harness's one), every rank's alike bit for bit, and Newton-Schulz ran once per matrix and step in
+each shard group. Bodies in muon_units_workers.py."""
 
 import re
 
@@ -49,6 +49,12 @@ def _check(out, cases, world, shard_size):
 def test_stage_3_on_two_ranks_is_one_process_muon_and_adamw(dtype, by_name):
     cases = [(3, None, dtype, by_name)]
     _check(dist_harness.values(dist_harness.run(w.same_batch, 2, cases, timeout=400)), cases, 2, 2)
+
+
+def test_stage_3_on_four_ranks_is_one_process_muon_and_adamw():
+    """Four matrices a block (the model is wide on 4 ranks), so each unit's plan gives every rank one."""
+    cases = [(3, None, torch.float32, False), (3, None, torch.bfloat16, True)]
+    _check(dist_harness.values(dist_harness.run(w.same_batch, 4, cases, timeout=500)), cases, 4, 4)
 
 
 @pytest.mark.parametrize("stage, dtype", [(2, torch.float32), (2, torch.bfloat16), (3, torch.float32)])

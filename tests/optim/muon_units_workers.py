@@ -118,10 +118,10 @@ def _batches():
 
 
 def same_batch(rank, world, cases):
-    """cases: [(stage, mesh, dtype, by_name)]; on 4 ranks without a mesh the model is wide. Per case: (max |param - reference|, matrices this
-    rank stepped, the matrices it owns (by index among the hidden ones), its params after the
-    steps, the ranks of its shard group, the largest momentum difference from the reference's
-    in the state dict)."""
+    """cases: [(stage, mesh, dtype, by_name)]; on 4 ranks without a mesh the model is wide. Per
+    case: (max |param - reference| over the full state dict, matrices this rank stepped, how many
+    it owns, its full state dict, the ranks of its shard group, the largest momentum difference
+    from the reference's in the state dict, how many matrices the model has)."""
     out = []
     for stage, mesh, dtype, by_name in cases:
         wide = world == 4 and mesh is None

@@ -92,17 +92,24 @@ class _Reference:
                 p.copy_(m)
 
 
-def _built(stage, mesh, dtype, by_name, wide):
-    """A model and its ZeroOptimizer: at stage 3 each block and the root a unit, the matrices named
-    to shard() by the param list or (by_name) by a predicate; at stage 2 the optimizer lays them out."""
-    model = _net(dtype, wide)
+def _built(stage, mesh, dtype, how, wide):
+    """A model and its ZeroOptimizer. how: "optimizer" (stages 1/2: the optimizer lays the matrices
+    out), or units (each block and the root) with the matrices named to shard() by "list" (the
+    param list) or "predicate"; "meta": a meta-device model, materialised by shard(), its matrices
+    named by a predicate (a list made before would name the meta params)."""
+    if how == "meta":
+        with torch.device("meta"):
+            model = Net(wide).to(dtype)
+    else:
+        model = _net(dtype, wide)
     mine, _ = _groups(model)
     where = {} if mesh is None else {"mesh": mesh}
-    if stage == 3:
-        matrices = (lambda name, p: p.dim() == 2 and not name.startswith(("emb", "head"))) if by_name else mine
+    if how != "optimizer":
+        matrices = mine if how == "list" else lambda name, p: p.dim() == 2 and not name.startswith(("emb", "head"))
+        meta = {"device": "cpu"} if how == "meta" else {}
         for b in model.blocks:
-            zerokern.shard(b, stage=3, bucket_cap_mb=1e-4, matrices=matrices, **where)
-        zerokern.shard(model, stage=3, bucket_cap_mb=1e-4, matrices=matrices, **where)
+            zerokern.shard(b, stage=stage, bucket_cap_mb=1e-4, matrices=matrices, **where, **meta)
+        zerokern.shard(model, stage=stage, bucket_cap_mb=1e-4, matrices=matrices, **where, **meta)
         kw = where
     else:
         kw = dict(zero_stage=stage, bucket_cap_mb=1e-4, **where)
@@ -118,16 +125,19 @@ def _batches():
 
 
 def same_batch(rank, world, cases):
-    """cases: [(stage, mesh, dtype, by_name)]; on 4 ranks without a mesh the model is wide. Per
+    """cases: [(stage, mesh, dtype, how)] (how: _built's); on 4 ranks without a mesh the model is
+    wide. Per
     case: (max |param - reference| over the full state dict, matrices this rank stepped, how many
     it owns, its full state dict, the ranks of its shard group, the largest momentum difference
     from the reference's in the state dict, how many matrices the model has)."""
     out = []
-    for stage, mesh, dtype, by_name in cases:
+    for stage, mesh, dtype, how in cases:
         wide = world == 4 and mesh is None
+        model, opt = _built(stage, mesh, dtype, how, wide)
         ref = _net(dtype, wide)
+        if how == "meta":  # the values shard() initialised (rank 0's, broadcast)
+            ref.load_state_dict(zerokern.full_state_dict(model, rank0_only=False))
         ref_opt = _Reference(ref)
-        model, opt = _built(stage, mesh, dtype, by_name, wide)
         for x in _batches():
             ref_opt.zero_grad()
             ref(x).backward()

@@ -24,8 +24,8 @@ TOL = {torch.float32: 1e-6, torch.bfloat16: 0.0}
 
 
 def _check(out, cases, world, shard_size):
-    for k, (stage, mesh, dtype, _) in enumerate(cases):
-        case = f"stage {stage}, mesh {mesh}, {dtype}"
+    for k, (stage, mesh, dtype, how) in enumerate(cases):
+        case = f"stage {stage}, mesh {mesh}, {dtype}, {how}"
         per_group = {}
         for rank, o in enumerate(out):
             diff, stepped, owned, _, group, mom, matrices = o[k]
@@ -45,22 +45,24 @@ def _check(out, cases, world, shard_size):
                 assert torch.equal(v, first[name]), f"{case}: rank {rank}'s {name} differs from rank 0's"
 
 
-@pytest.mark.parametrize("dtype, by_name", [(torch.float32, False), (torch.bfloat16, True)])
-def test_stage_3_on_two_ranks_is_one_process_muon_and_adamw(dtype, by_name):
-    cases = [(3, None, dtype, by_name)]
+@pytest.mark.parametrize("stage, dtype, how", [(3, torch.float32, "list"), (3, torch.bfloat16, "predicate"),
+                                               (3, torch.float32, "meta"), (2, torch.float32, "list")])
+def test_units_on_two_ranks_are_one_process_muon_and_adamw(stage, dtype, how):
+    """Units from shard(matrices=...): at stage 3 (fp32, bf16, a meta-device model) and stage 2."""
+    cases = [(stage, None, dtype, how)]
     _check(dist_harness.values(dist_harness.run(w.same_batch, 2, cases, timeout=400)), cases, 2, 2)
 
 
 def test_stage_3_on_four_ranks_is_one_process_muon_and_adamw():
     """Four matrices a block (the model is wide on 4 ranks), so each unit's plan gives every rank one."""
-    cases = [(3, None, torch.float32, False), (3, None, torch.bfloat16, True)]
+    cases = [(3, None, torch.float32, "list"), (3, None, torch.bfloat16, "predicate")]
     _check(dist_harness.values(dist_harness.run(w.same_batch, 4, cases, timeout=500)), cases, 4, 4)
 
 
 @pytest.mark.parametrize("stage, dtype", [(2, torch.float32), (2, torch.bfloat16), (3, torch.float32),
                                           (3, torch.bfloat16)])
 def test_a_2x2_mesh_is_one_process_muon_and_adamw(stage, dtype):
-    cases = [(stage, (2, 2), dtype, dtype == torch.bfloat16)]  # bf16 at stage 3: matrices named by a predicate
+    cases = [(stage, (2, 2), dtype, "optimizer" if stage == 2 else "predicate" if dtype == torch.bfloat16 else "list")]
     _check(dist_harness.values(dist_harness.run(w.same_batch, 4, cases, timeout=500)), cases, 4, 2)
 
 

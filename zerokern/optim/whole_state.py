@@ -20,9 +20,9 @@ Not offered: state on disk (InnerStream steps chunks).
 
 [Note: whole state in checkpoints] The owner's state of a matrix (Muon's momentum_buffer) has
 the param's shape, the others' none. state_dict() gathers it from the owners (one all-reduce of
-every matrix's state over the shard group, the non-owners adding zeros): every rank's dict then has the whole tensors,
-torch.optim.Muon's layout, which a one-process torch.optim.Muon loads as it is, and which
-load_state_dict hands back to whichever rank owns each matrix at this world size.
+every matrix's state over the shard group, the non-owners adding zeros): every rank's dict then
+has the whole tensors, torch.optim.Muon's layout, which a one-process torch.optim.Muon loads as
+it is, and which load_state_dict hands back to whichever rank owns each matrix at this world size.
 """
 
 import torch

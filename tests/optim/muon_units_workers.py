@@ -173,3 +173,31 @@ def unlaid(rank, world, stage):
     except ValueError as e:
         return str(e)
     return None
+
+
+def resume(rank, world, stage, how):
+    """10 steps, then the model's full state dict and the optimizer's into a new model and
+    optimizer built alike, 10 more: per param, whether it equals the run that was not interrupted,
+    and the momentum shapes in the saved dict (torch's: whole on every rank)."""
+    batches = _batches()
+    straight, opt = _built(stage, None, torch.float32, how, False)
+    for x in batches:
+        opt.zero_grad()
+        straight(x).backward()
+        opt.step()
+    model, opt = _built(stage, None, torch.float32, how, False)
+    for x in batches[:10]:
+        opt.zero_grad()
+        model(x).backward()
+        opt.step()
+    weights, sd = zerokern.full_state_dict(model, rank0_only=False), opt.state_dict()
+    shapes = {k: list(st["momentum_buffer"].shape) for k, st in sd["state"].items() if "momentum_buffer" in st}
+    again, opt = _built(stage, None, torch.float32, how, False)
+    again.load_state_dict(weights)
+    opt.load_state_dict(sd)
+    for x in batches[10:]:
+        opt.zero_grad()
+        again(x).backward()
+        opt.step()
+    a, b = zerokern.full_state_dict(straight, rank0_only=False), zerokern.full_state_dict(again, rank0_only=False)
+    return {n: torch.equal(a[n], b[n]) for n in a}, shapes

@@ -106,3 +106,12 @@ def test_units_with_matrices_on_one_process_are_torch_muon():
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(p, q), n
     assert opt.matrices_stepped == 4 * len(mine)
+
+
+@pytest.mark.parametrize("stage, how", [(3, "list"), (2, "optimizer")])
+def test_a_run_resumed_from_its_state_dicts_takes_the_same_steps(stage, how):
+    """At stage 3 the momentum is gathered from its owner and handed back to it, as at stage 2."""
+    shapes = {k: list(p.shape) for k, p in enumerate(w.hidden(w.Net()))}
+    for same, saved in dist_harness.values(dist_harness.run(w.resume, 2, stage, how, timeout=300)):
+        assert all(same.values()), [n for n, ok in same.items() if not ok]
+        assert saved == shapes, "each matrix's whole momentum on every rank, keyed by its index"

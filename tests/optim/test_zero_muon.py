@@ -111,12 +111,6 @@ def test_a_param_that_is_not_2d_is_refused_by_name():
         zerokern.ZeroOptimizer(params, torch.optim.Muon, lr=0.02)
 
 
-def test_adafactor_is_still_refused():
-    model = _model()
-    with pytest.raises(ValueError, match="ZeroOptimizer: Adafactor factors"):
-        zerokern.ZeroOptimizer(model.parameters(), torch.optim.Adafactor)
-
-
 def _two_ranks(rank, world):
     """On 2 processes Muon's params must lie whole in one rank's shard; a unit zerokern.shard()
     laid out without matrices= did not lay them out so, and is refused, naming the param and the

@@ -13,9 +13,9 @@ element's update depends on that element's grad and state only: SGD, Adam, AdamW
 RMSprop, ...) the pieces together give exactly the numbers of the same optimizer on whole
 params. One that reads whole tensors (Adafactor's row and column statistics, LAMB's trust ratio,
 LBFGS, Muon's orthogonalised matrices) would not, and is refused, with the reason for the ones
-torch ships (_WHOLE_TENSOR), also when vouched for with elementwise=True; but Muon runs, each of
-its params laid out whole on one rank that steps it ([Note: whole matrices on their owners] in
-optim/whole_state.py).
+torch ships (_WHOLE_TENSOR), also when vouched for with elementwise=True; but Muon and Adafactor
+run, each of their params laid out whole on one rank that steps it ([Note: whole matrices on
+their owners] in optim/whole_state.py).
 
 State: the inner optimizer's, per piece (every trainable param has a piece on every rank, an
 empty one where the rank holds none of its elements), made at construction as the first step
@@ -57,11 +57,12 @@ _WHOLE_TENSOR = {
     "LBFGS": "takes its steps along directions built from every param's whole gradient (and re-evaluates the "
              "loss)",
 }
-# Of the whole-tensor classes, Muon runs where every param is whole on the rank that steps it: one
-# rank's piece is the whole param, in its shape, and its own code (momentum, Newton-Schulz,
-# adjust_lr_fn, weight decay) gives torch.optim.Muon's numbers ([Note: whole matrices on their
-# owners] in optim/whole_state.py). The value: the per-matrix cost its owners are balanced by.
-_WHOLE_MATRIX = {"Muon": "muon"}
+# Of the whole-tensor classes, Muon and Adafactor run where every param is whole on the rank that
+# steps it: one rank's piece is the whole param, in its shape, and its own code (Muon's momentum,
+# Newton-Schulz, adjust_lr_fn; Adafactor's factored variance, relative step, clipping; weight
+# decay) gives torch's numbers ([Note: whole matrices on their owners] in optim/whole_state.py).
+# The value: the per-param cost its owners are balanced by (matrix_layout.matrix_cost).
+_WHOLE_MATRIX = {"Muon": "muon", "Adafactor": "adafactor"}
 # [Note: mixed groups] Muon is for 2-D hidden weights, AdamW for the rest; users write it as torch's
 # param groups with the class per group under "optimizer", the positional class the default:
 #     ZeroOptimizer([{"params": hidden, "optimizer": torch.optim.Muon, "lr": 0.02}, {"params": rest}],
@@ -112,7 +113,7 @@ class ZeroOptimizer(EngineOptimizer):
             raise ValueError("ZeroOptimizer: OffloadPolicy(device='nvme') streams one inner optimizer's state, and "
                              f"the param groups name {len(set(self._classes))} classes; use "
                              "OffloadPolicy(device='cpu') or none")
-        options = (optimizer_class.__name__, [c.__name__ for c in self._classes], kwargs)
+        options = (optimizer_class.__name__, [c.__name__ for c in self._classes], kwargs, self._members(names))
         self.engine = ZeroEngine(self, [g["params"] for g in self.param_groups], names, state_keys=(),
                                  what="ZeroOptimizer", options=repr(options),
                                  disk_state_keys=[k for k, dt in elements.items() if dt == torch.float32],
@@ -167,7 +168,7 @@ class ZeroOptimizer(EngineOptimizer):
             self._disk = InnerStream(self, stores[0].state_keys)
             self._disk.init_state()  # a piece at a time, each moved to disk at once
         else:
-            inner_set.make_initial_state(self.inner, list(self._piece.values()), inner_state.make_initial_state)
+            inner_set.make_initial_state(self.inner, self._stepped(), inner_state.make_initial_state)
         self._sync_state()
 
     def _checked_class(self, cls, elementwise, options, where=None):
@@ -214,13 +215,31 @@ class ZeroOptimizer(EngineOptimizer):
             if why is None:
                 continue
             if not g["params"]:
-                raise ValueError(f"ZeroOptimizer: param group {gi} ({cls.__name__}) has no params; give it the 2-D "
-                                 "hidden weights, or leave the group out")
+                what = "the 2-D hidden weights" if cls.__name__ == "Muon" else "its params"
+                raise ValueError(f"ZeroOptimizer: param group {gi} ({cls.__name__}) has no params; give it {what}, "
+                                 "or leave the group out")
+            if cost not in (None, _WHOLE_MATRIX[cls.__name__]):
+                raise ValueError(f"ZeroOptimizer: param group {gi} ({cls.__name__}) beside a group of another "
+                                 "whole-tensor class: the matrix layout balances one cost (Muon's or Adafactor's), "
+                                 "so one ZeroOptimizer takes groups of one of them; give the others AdamW")
             mine = [(index[p], p) for p in g["params"] if p.requires_grad]
-            whole_state.check_whole_matrices(cls.__name__, why, mine, names, sharding)
+            whole_state.check_whole_matrices(cls.__name__, why, mine, names, sharding, cls.__name__ == "Muon")
             found += [p for _, p in mine]
             cost = _WHOLE_MATRIX[cls.__name__]
         return WholeMatrices.of(cost, found) if found else None
+
+    def _members(self, names):
+        """Per whole-tensor param group, its params by name (or index) and shape: in the options the
+        ranks compare, so a group that differs across ranks is named in the error on every rank."""
+        index = {p: k for k, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        return {f"param group {gi} ({cls.__name__})": [f"{names.get(p, f'params[{index[p]}]')} {list(p.shape)}"
+                                                        for p in g["params"]]
+                for gi, (g, cls) in enumerate(zip(self.param_groups, self._classes)) if self._why.get(cls)}
+
+    def _stepped(self):
+        """The pieces the inner optimizer may step: all but the empty ones of params stepped whole
+        elsewhere, which keep no state ([Note: whole matrices on their owners])."""
+        return [piece for t, piece in self._piece.items() if not (t in self._whole and self._where[t][2] == 0)]
 
     def _update(self, had, divisor):
         for gi, inner in zip(self._inner_groups, self.inner.param_groups):  # lr schedulers change the outer ones
@@ -276,7 +295,7 @@ class ZeroOptimizer(EngineOptimizer):
             st = inner_state.with_placeholders(self.inner.state[piece], self._late[t], piece, self._class_of(t),
                                                self._member(t)[1] or f"params[{index[p]}]")
             sd["state"][index[p]] = st
-            if not self.strategy.shards_state:
+            if not self.strategy.shards_state or t in self._whole:
                 continue
             _, _, n, start = self._where[t]
             numel = self._numel(t)
@@ -284,15 +303,22 @@ class ZeroOptimizer(EngineOptimizer):
                 if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == n:
                     checkpoint.mark_slice(v, start, n, numel)
         if self._whole and self.strategy.shards_state:  # [Note: whole state in checkpoints]: a collective
-            whole_state.gather_from_owners(self.engine.comm, [(sd["state"][index[p]], self._piece[t], self._shape(t))
+            whole_state.gather_from_owners(self.engine.comm, [(sd["state"][index[p]], self._where[t][2] > 0,
+                                                               self._state_layout(t))
                                                               for t, p in enumerate(self.engine.trainable)
-                                                              if t in self._whole])
+                                                              if t in self._whole],
+                                           self.engine.stores[0].master.device)
         checkpoint.add_error_feedback(self, sd["state"])  # quantized reductions: a collective
         return sd
 
     def _member(self, t):
         """(param, name, full shape) of trainable param t (at stage 3 p.shape is empty between gathers)."""
         return self.engine.param_of(self.engine.stores[self._where[t][0]], self._at[t])
+
+    def _state_layout(self, t):
+        """whole_state.state_layout of trainable param t (stepped whole): torch's state of it."""
+        gi = self._group_t[t]
+        return whole_state.state_layout(self._classes[gi], _keys(self.param_groups[gi]), tuple(self._shape(t)))
 
     def _class_of(self, t):
         """The optimizer class that steps trainable param t ([Note: mixed groups])."""
@@ -308,8 +334,8 @@ class ZeroOptimizer(EngineOptimizer):
         _, _, n, start = self._where[t]
         if t not in self._whole:
             return (n,)
-        if n == 0:
-            return (0, self._shape(t)[-1])
+        if n == 0:  # (0, n) for a matrix: Muon takes 2-D params only
+            return (0, *self._shape(t)[1:])
         if start != 0 or n != self._numel(t):  # the matrix layout keeps every matrix whole
             raise RuntimeError(f"ZeroOptimizer: {self._member(t)[1] or f'param {t}'} is split across ranks "
                                f"([{start}, {start + n}) of {self._numel(t)} here), which "
@@ -335,9 +361,19 @@ class ZeroOptimizer(EngineOptimizer):
             if st is None:
                 continue
             _, _, n, start = self._where[t]
+            if t in self._whole and n == 0:  # its owner takes it ([Note: whole state in checkpoints])
+                continue
             numel, out = self._numel(t), {}
+            layout = self._state_layout(t) if t in self._whole else {}
             for key, v in inner_state.without_placeholders(st, self._late[t]).items():
                 if key in wire_checkpoint.KEYS:  # FusedZeroAdam's error feedback: not the inner optimizer's
+                    continue
+                if key in layout and isinstance(v, torch.Tensor):  # torch's layout: the whole param's state
+                    if tuple(v.shape) != layout[key][0]:
+                        raise ValueError(f"ZeroOptimizer: state[{index[p]}]['{key}'] has shape {list(v.shape)}, "
+                                         f"param {index[p]} has {list(self._shape(t))} (and "
+                                         f"{self._class_of(t).__name__} keeps its {key} as {list(layout[key][0])})")
+                    out[key] = v.clone()
                     continue
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
                     where = checkpoint.slice_of(v)
@@ -377,7 +413,7 @@ class ZeroOptimizer(EngineOptimizer):
         self.inner.load_state_dict({"state": inner_state_dict, "param_groups": groups})
         wire_checkpoint.restore(self, carried, counts)
         # the params the dict had none of
-        inner_set.make_initial_state(self.inner, list(self._piece.values()), inner_state.make_initial_state)
+        inner_set.make_initial_state(self.inner, self._stepped(), inner_state.make_initial_state)
         if self._disk is not None:
             self._disk.to_disk(range(len(self._where)))  # the loaded values into the current slot
         self._sync_state()

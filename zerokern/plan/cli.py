@@ -9,6 +9,7 @@ import sys
 
 from . import disk
 from .activations import ACT_BYTES, CHECKPOINTING
+from .matrix import OPTIMIZERS
 from .model import DTYPE_BYTES, STATE_BYTES, plan
 from .traffic import GATHER_PRECISIONS, REDUCE_PRECISIONS, quantized
 from .units import parse_size
@@ -85,6 +86,10 @@ def parser():
     hw.add_argument("--state-precision", default="fp32", choices=list(STATE_BYTES),
                     help="Adam's moments: fp32 (8 bytes/param), bf16 (4) or int8 blocks (2.03); FusedZeroAdam's "
                          "state_precision")
+    hw.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adam",
+                    help="muon or adafactor: torch.optim.Muon / Adafactor on the layers' 2-D weights, each whole on "
+                         "one rank, AdamW on the rest (ZeroOptimizer's mixed groups); needs the shape. Adds each "
+                         "rank's state and Newton-Schulz work")
     hw.add_argument("--no-master-weights", action="store_true",
                     help="bf16 params updated without fp32 masters (stochastic rounding): FusedZeroAdam's "
                          "master_weights=False")
@@ -142,7 +147,9 @@ DEFAULT_BANDWIDTH = 100e9  # bytes/s, NVLink-class: what --dp-bandwidth assumes 
 def render(p, marked=None, bandwidth_assumed=False):
     a = p.activations
     lines = [f"zerokern plan: {p.params_total:.4g} params in all, {p.params_per_gpu:.4g} on each GPU; "
-             f"dp={p.dp} tp={p.tp} pp={p.pp}, {p.dtype}, Adam with {p.state_precision} moments"
+             f"dp={p.dp} tp={p.tp} pp={p.pp}, {p.dtype}, "
+             + (f"Adam with {p.state_precision} moments" if p.matrix is None else
+                f"{_NAMES[p.optimizer]} on the layers' matrices, AdamW with {p.state_precision} moments on the rest")
              + ("" if p.master_weights or p.dtype == "fp32" else ", no fp32 masters")
              + ({"cpu": ", optimizer offloaded to CPU", "nvme": ", optimizer state on disk (nvme)"}.get(
                  p.offload_optimizer, "")),
@@ -204,6 +211,7 @@ def render(p, marked=None, bandwidth_assumed=False):
     else:
         lines.append("gathered: stage 3's full params while units compute (the root unit, the unit computing and "
                      "the one prefetched; one layer per unit from the shape, or --unit-params/--root-params)")
+    lines += _matrix_lines(p)
     lines += _activation_lines(p)
     if p.hosts > 1:
         lines += ["", f"across {p.hosts} hosts ({p.dp // p.hosts} ranks each), per step, all ranks' sends together "
@@ -270,6 +278,27 @@ def _verdict(p):
             f"for flat sharding over {p.dp} ranks (the first table): {flat_says}"]
 
 
+_NAMES = {"muon": "Muon", "adafactor": "Adafactor"}
+
+
+def _matrix_lines(p):
+    """[Note: matrix optimizers in the plan] in matrix.py: the state column's split and the work per rank."""
+    m = p.matrix
+    if m is None:
+        return []
+    name = _NAMES[m.optimizer]
+    state = "an fp32 momentum" if m.optimizer == "muon" else "fp32 row and column statistics"
+    work = (f"Newton-Schulz per step, GFLOP per rank: max {max(m.work) / 1e9:.3g}, mean "
+            f"{sum(m.work) / len(m.work) / 1e9:.3g}" if m.optimizer == "muon" else
+            f"elements per step per rank: max {max(m.work):.4g}, mean {sum(m.work) / len(m.work):.4g}")
+    return [f"{m.optimizer}: {name} on {m.matrices} matrices ({m.matrix_params:.4g} params, {state} each), each whole on "
+            f"one rank and stepped there once a step; AdamW on {m.elementwise_params:.4g} params; the adam column is "
+            f"both optimizers' state on the busiest of {p.dp} ranks",
+            f"{m.optimizer}: {work}, balance {m.balance:.3f} (max/mean); the matrix-whole layout pads "
+            f"{m.padding_params:,} params ({m.padding_params / p.params_per_gpu:.1%}; not in the sharded params, "
+            "grads and master columns: [Note: matrix optimizers in the plan] in zerokern/plan/matrix.py)"]
+
+
 def _activation_lines(p):
     a = p.activations
     if a is None:
@@ -307,7 +336,7 @@ def main(argv=None):
                  checkpointing=args.checkpointing, act_dtype=args.act_dtype,
                  reduce_precision=None if args.reduce_precision == "none" else args.reduce_precision,
                  gather_precision=None if args.gather_precision == "none" else args.gather_precision,
-                 disk_rate=rate)
+                 disk_rate=rate, optimizer=args.optimizer)
     except ValueError as e:
         ap.error(str(e))  # exit code 2
     if args.json:

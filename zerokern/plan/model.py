@@ -86,6 +86,7 @@ from typing import List, Optional
 
 from . import traffic
 from .activations import ActivationPlan, activation_memory, largest_tokens
+from .matrix import OPTIMIZERS, MatrixPlan, model_shapes, plan_matrices
 from .units import to_bytes
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -158,6 +159,8 @@ class Plan:
     gather_precision: Optional[str] = None  # what gathered params travel in without a mesh
     # offload_optimizer="nvme": the disk's (read GB/s, write GB/s, where they came from), or None
     disk_rate: Optional[tuple] = None
+    optimizer: str = "adam"  # or "muon", "adafactor" on the 2-D hidden weights ([Note: matrix optimizers in the plan])
+    matrix: Optional[MatrixPlan] = None  # their per-rank state and work over dp ranks (hybrid: dp/hosts)
 
     @property
     def largest_micro_batch(self) -> Optional[dict]:
@@ -179,6 +182,8 @@ class Plan:
     def to_dict(self):
         d = asdict(self)
         d["smallest_fitting_stage"] = self.smallest_fitting_stage
+        if self.matrix is not None:
+            d["matrix"] = self.matrix.to_dict()
         if self.hosts > 1:
             d["smallest_fitting_hybrid_stage"] = self.smallest_fitting_hybrid_stage
         if self.activations is not None:
@@ -227,7 +232,7 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
          dp_bandwidth=100e9, bucket_cap_mb=25.0, largest_param=None, unit_params=None, root_params=None,
          state_precision="fp32", master_weights=True, hosts=1, seq=None, micro_batch_size=1,
          checkpointing="none", act_dtype=None, reduce_precision=None, gather_precision=None,
-         disk_rate=None) -> Plan:
+         disk_rate=None, optimizer="adam") -> Plan:
     """The memory and communication plan for every ZeRO stage. Give either
     `params` (a count; tp and pp then split it evenly) or the shape (layers,
     hidden, heads, vocab[, ffn_hidden]) of a GPT-style (arch="gpt") or Llama-style
@@ -247,7 +252,11 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
     reduce_precision (None, "fp32", "bf16", "int8", "int4") and gather_precision (None, "int8") are
     shard()'s and FusedZeroAdam's: they change comm_bytes and the bytes within and across hosts, and
     int8/int4 add their error feedback to each stage's total ([Note: bytes on the wire] and [Note:
-    error feedback memory] in traffic.py)."""
+    error feedback memory] in traffic.py). optimizer ("adam", "muon", "adafactor"): with a matrix
+    optimizer on the layers' 2-D weights and AdamW on the rest (ZeroOptimizer's mixed groups, each
+    matrix whole on one rank), the adam column is both optimizers' state on the busiest rank and
+    Plan.matrix has each rank's state and work ([Note: matrix optimizers in the plan] in matrix.py);
+    it needs the shape, tp = pp = 1, and no offload."""
     if arch not in ("gpt", "llama"):
         raise ValueError(f"arch must be 'gpt' or 'llama', got {arch!r}")
     if dtype not in DTYPE_BYTES:
@@ -263,6 +272,12 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
         raise ValueError(f"offload_optimizer='cpu' with state_precision={state_precision!r} is not offered "
                          "(OffloadPolicy(device='cpu') keeps fp32 state); 'nvme' takes low-bit state")
     offload = offload_optimizer in ("cpu", "nvme")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    if optimizer != "adam" and (params is not None or tp > 1 or pp > 1 or offload):
+        raise ValueError(f"optimizer={optimizer!r} is planned from the model's shape (layers, hidden, heads, vocab) "
+                         "with tp = pp = 1 and no offload_optimizer (ZeroOptimizer keeps matrix optimizers' state in "
+                         "memory)")
     traffic.check_precisions(reduce_precision, gather_precision)
     for name, v in (("dp", dp), ("tp", tp), ("pp", pp), ("micro_batches", micro_batches),
                     ("bucket_cap_mb", bucket_cap_mb), ("hosts", hosts)):
@@ -349,12 +364,25 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
     # fp32 training updates the params themselves; so does bf16 without masters
     master = 0 if dtype == "fp32" or not master_weights else 4 * per_gpu
     adam = STATE_BYTES[state_precision] * per_gpu
+    matrices = {}  # ranks sharding -> MatrixPlan ([Note: matrix optimizers in the plan])
+    if optimizer != "adam":
+        shapes, whole = model_shapes(arch, layers, hidden, vocab, ffn_hidden, heads, kv_heads)
+        cap = int(bucket_cap_mb * 2**20 // b)
+        for d in {dp, dp // hosts}:
+            matrices[d] = plan_matrices(optimizer, shapes, whole, d, cap, STATE_BYTES[state_precision])
+
+    def adam_for(stage, d):  # what _stage shards by d from stage 1 on: the busiest rank's share times d
+        if optimizer == "adam":
+            return adam
+        mp = matrices[d]
+        return mp.state_bytes_unsharded if stage == 0 else max(mp.state_bytes) * d
+
     stages = []
     act = 0 if acts is None else acts.peak_bytes
     for stage in range(4):
         wire = traffic.flat(stage, per_gpu, b, dp, hosts, reduce_precision, gather_precision)
         feedback = traffic.error_feedback_bytes(stage, per_gpu, dp, hosts, reduce_precision, is_hybrid=False)
-        stages.append(_stage(stage, dp, b, p_bytes, g_bytes, master, adam, offload, bucket_cap_mb, largest_param,
+        stages.append(_stage(stage, dp, b, p_bytes, g_bytes, master, adam_for(stage, dp), offload, bucket_cap_mb, largest_param,
                              unit_params, root_params, wire.per_rank, feedback, gpu_memory, dp_bandwidth))
         if acts is not None:  # "fits" counts one micro-batch's activations too
             states = stages[-1]
@@ -363,7 +391,7 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
         if hosts > 1:
             hybrid = traffic.hybrid(stage, per_gpu, b, dp, hosts, reduce_precision)
             hybrid_feedback = traffic.error_feedback_bytes(stage, per_gpu, dp, hosts, reduce_precision, is_hybrid=True)
-            local = _stage(stage, dp // hosts, b, p_bytes, g_bytes, master, adam, offload, bucket_cap_mb,
+            local = _stage(stage, dp // hosts, b, p_bytes, g_bytes, master, adam_for(stage, dp // hosts), offload, bucket_cap_mb,
                            largest_param, unit_params, root_params, hybrid.per_rank, hybrid_feedback, gpu_memory,
                            dp_bandwidth)
             stages[-1] = replace(stages[-1], inter_host_bytes=wire.across, intra_host_bytes=wire.within,
@@ -379,7 +407,8 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
                 pipeline_bubble=(pp - 1) / (micro_batches + pp - 1), stages=stages, formula=formula,
                 state_precision=state_precision, master_weights=master_weights, hosts=hosts, activations=acts,
                 reduce_precision=reduce_precision, gather_precision=gather_precision,
-                disk_rate=None if disk_rate is None else tuple(disk_rate),
+                disk_rate=None if disk_rate is None else tuple(disk_rate), optimizer=optimizer,
+                matrix=matrices.get(dp),
                 fit_tokens=None if acts is None else {
                     c: [largest_tokens(st.headroom_bytes + act, per_token[c]) for st in stages]
                     for c in per_token})

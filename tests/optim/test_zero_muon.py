@@ -1,10 +1,11 @@
 """zerokern.ZeroOptimizer(params, torch.optim.Muon) on one process ([Note: whole matrices on their
 owners] in zerokern/optim/whole_state.py): every param whole, the inner Muon steps it in its
 own shape, bit for bit torch.optim.Muon's numbers; its state dict is torch's layout both ways; and
-what it refuses (a non-2-D param, shard() units on several processes), naming the culprit, on
-every rank."""
+what it refuses (a non-2-D param, shard() units without matrices= on several processes), naming
+the culprit, on every rank."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -111,9 +112,9 @@ def test_a_param_that_is_not_2d_is_refused_by_name():
 
 
 def _two_ranks(rank, world):
-    """On 2 processes Muon's params must be laid out by the optimizer (each matrix whole on one
-    rank: tests/optim/test_zero_muon_ranks.py); units zerokern.shard() laid out before are refused, on
-    every rank alike."""
+    """On 2 processes Muon's params must lie whole in one rank's shard; a unit zerokern.shard()
+    laid out without matrices= did not lay them out so, and is refused, naming the param and the
+    fix, on every rank alike (with matrices=: tests/optim/test_zero_muon_units.py)."""
     model = _model()
     zerokern.shard(model, stage=2)
     try:
@@ -123,10 +124,12 @@ def _two_ranks(rank, world):
     return None
 
 
-def test_shard_units_on_several_processes_are_refused_on_every_rank():
+def test_shard_units_without_matrices_are_refused_on_every_rank():
     for text in dist_harness.values(dist_harness.run(_two_ranks, 2, timeout=120)):
-        assert text is not None and "on 2 processes its params are laid out whole in one rank's shard" in text, text
-        assert "Pass the params without shard(), at zero_stage 1 or 2" in text, text
+        assert text is not None and re.search(r"steps \d\.weight as a whole matrix, so on 2 ranks it must lie "
+                                              r"whole in one rank's shard, but unit 'Sequential' was laid out by "
+                                              r"zerokern.shard\(\) without it. Pass matrices= to every "
+                                              r"zerokern.shard\(\) call", text), text
 
 
 def test_state_on_disk_is_refused(tmp_path):

@@ -15,60 +15,48 @@ step, on one rank, in torch's own code; the usual gather then brings every rank 
 opt.matrices_stepped counts the params this rank stepped whole. A Muon group takes 2-D params
 only (torch's Muon refuses others); an Adafactor group takes any shape, as torch's does (a 1-D
 param gets an unfactored variance), each whole on one owner, its cost its numel.
-Not offered: zerokern.shard() units (laid out before the optimizer is known, so stage 3 too), a
-mesh (its replicas would each need the plan), state on disk (InnerStream steps chunks), and Muon
-and Adafactor groups in one optimizer (the plan balances one cost).
+zerokern.shard() units are laid out before the optimizer is known, so shard(matrices=...) names
+Muon's matrices there ([Note: whole matrices in units] in zero/core/whole_matrices.py): stage 3
+then steps the same way, the owner's slice of its bucket being the whole matrix. On a mesh the
+plan is the shard group's: each replica group has one owner per matrix, so NS runs once per
+matrix per replica (the replicas' updates are identical, as every update is under hybrid
+sharding). Not offered: state on disk (InnerStream steps chunks), Muon and Adafactor groups in
+one optimizer (the plan balances one cost), and Adafactor in shard() units on several processes
+(shard(matrices=...) plans Muon's cost over 2-D params).
 
 [Note: whole state in checkpoints] The owner's state of a param (Muon's momentum_buffer,
 Adafactor's step, row_var and col_var, or variance) is torch's, the others' none. state_dict()
-gathers it from the owners (one all-reduce of every such param's state, the non-owners adding
-zeros; the keys and shapes come from state_layout, so every rank knows them): every rank's dict
-then has torch's layout, which a one-process torch optimizer loads as it is, and which
-load_state_dict hands back to whichever rank owns each param at this world size.
+gathers it from the owners (one all-reduce of every such param's state over the shard group,
+the non-owners adding zeros; the keys and shapes come from state_layout, so every rank knows
+them): every rank's dict then has torch's layout, which a one-process torch optimizer loads as
+it is, and which load_state_dict hands back to whichever rank owns each param at this world size.
 """
 
 import torch
-import torch.distributed as dist
 
 from . import inner_state
 from ..zero.unit import unit_of
 
 
 def check_whole_matrices(cls, why, params, names, sharding, two_d=True):
-    """[Note: whole matrices on their owners]: raise, naming the culprit, unless there is a param,
-    each is 2-D where two_d (Muon's; Adafactor takes any shape), and the layout can hold them
-    whole: params this optimizer buckets itself (no shard() units on several processes), no mesh,
-    in memory.
-    Returns whether the params are sharded over several processes (the matrix layout is needed)."""
+    """[Note: whole matrices on their owners]: raise, naming the culprit, unless every param of
+    a matrix optimizer's groups is 2-D where two_d (Muon's; Adafactor takes any shape), there is one, and its state is in memory.
+    Where shard() laid the params out, the engine checks that it kept them whole ([Note: whole
+    matrices in units] in zero/core/whole_matrices.py)."""
     if not params:
         raise ValueError(f"ZeroOptimizer: the {cls} param group has no trainable params (each has requires_grad "
                          "False); give it the params it should step, or leave the group out")
     for k, p in params:
-        if two_d and p.dim() != 2:
+        if two_d and p.dim() != 2:  # a stage-3 param between gathers answers with its full shape
             name = f"params[{k}] ({names[p]!r})" if p in names else f"params[{k}]"
             raise ValueError(f"ZeroOptimizer: {cls} {why}, and takes 2-D params only: {name} has shape "
                              f"{list(p.shape)}. Give its param group the 2-D hidden weights only, and the other "
                              "params (embeddings, norms, biases) another optimizer")
     units = [u for u in (unit_of(p) for _, p in params) if u is not None]
-    if units:
-        world, offload, mesh = units[0].comm.world_size, units[0].config.offload, None
-    else:
-        group, offload, mesh = sharding.get("process_group"), sharding.get("offload"), sharding.get("mesh")
-        world = dist.get_world_size(group) if group is not None or (dist.is_available() and dist.is_initialized()) \
-            else 1
-    if mesh is not None:
-        raise ValueError(f"ZeroOptimizer: {cls} {why}. On a mesh each replica group would need the matrix-whole "
-                         "layout (zerokern/zero/core/matrix_layout.py), not wired in yet (issue 51); use "
-                         "process_group= (stages 1 and 2)")
-    if units and world > 1:
-        raise ValueError(f"ZeroOptimizer: {cls} {why}, so on {world} processes its params are laid out whole in one "
-                         f"rank's shard each, but unit '{units[0].name}' was laid out by zerokern.shard() before the "
-                         "optimizer was known (stage 3 needs such units: not offered yet, issue 51). Pass the params "
-                         "without shard(), at zero_stage 1 or 2")
+    offload = units[0].config.offload if units else sharding.get("offload")
     if getattr(offload, "device", None) == "nvme":
         raise ValueError(f"ZeroOptimizer: {cls} {why}, and OffloadPolicy(device='nvme') steps chunks of the params; "
                          "use OffloadPolicy(device='cpu') or none")
-    return world > 1 and not units
 
 
 def state_layout(cls, options, shape):
@@ -99,7 +87,8 @@ def gather_from_owners(comm, entries, device):
         if owned and key in st:
             flat[at:at + n].copy_(st[key].reshape(-1))
         at += n
-    comm.wait(comm.all_reduce(flat, name="whole_state"))
+    shards = comm.shards  # one owner per param there; a mesh's replicas each hold a copy
+    shards.wait(shards.all_reduce(flat, name="whole_state"))
     at = 0
     for st, key, shape, dtype, here, _ in wanted:
         n = torch.Size(shape).numel()

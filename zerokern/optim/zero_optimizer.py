@@ -206,7 +206,7 @@ class ZeroOptimizer(EngineOptimizer):
                 "ZeroOptimizer, or check the options passed to it") from e
 
     def _matrices(self, names, sharding):
-        """The WholeMatrices the layout must keep whole (None: none, or one process), after
+        """The WholeMatrices the layout must keep whole (None: none), after
         checking every matrix class's param group ([Note: whole matrices on their owners])."""
         index = {p: k for k, p in enumerate(p for g in self.param_groups for p in g["params"])}
         found, cost = [], None
@@ -223,8 +223,8 @@ class ZeroOptimizer(EngineOptimizer):
                                  "whole-tensor class: the matrix layout balances one cost (Muon's or Adafactor's), "
                                  "so one ZeroOptimizer takes groups of one of them; give the others AdamW")
             mine = [(index[p], p) for p in g["params"] if p.requires_grad]
-            if whole_state.check_whole_matrices(cls.__name__, why, mine, names, sharding, cls.__name__ == "Muon"):
-                found += [p for _, p in mine]
+            whole_state.check_whole_matrices(cls.__name__, why, mine, names, sharding, cls.__name__ == "Muon")
+            found += [p for _, p in mine]
             cost = _WHOLE_MATRIX[cls.__name__]
         return WholeMatrices.of(cost, found) if found else None
 

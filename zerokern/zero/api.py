@@ -15,6 +15,7 @@ gathers them. Without shard(), FusedZeroAdam(params) makes one unit of the
 params itself.
 """
 
+import dataclasses
 import weakref
 from typing import Callable, Dict, List, Optional
 
@@ -27,6 +28,7 @@ from .comm.factory import comm_for
 from .state.lowbit_store import StatePolicy
 from .params.materialize import materialize
 from .core.stage import OffloadPolicy, ShardConfig
+from .core.whole_matrices import WholeMatrices
 from .grads.path import grad_path
 from .params.policy import param_policy
 from .unit import ShardUnit, make_unit, unit_of
@@ -68,7 +70,7 @@ def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket
           overlap_param_gather: bool = False, reshard_after_forward: bool = True, device=None,
           init: Optional[Callable[[torch.nn.Module], None]] = None, state_precision: str = "fp32",
           mesh=None, reduce_precision: Optional[str] = None,
-          gather_precision: Optional[str] = None) -> torch.nn.Module:
+          gather_precision: Optional[str] = None, matrices=None) -> torch.nn.Module:
     """Make `module` a unit: its trainable params not owned by a unit inside it are
     flattened into buckets that one FusedZeroAdam (built later over the params)
     reduces, updates and gathers. Call it on each block, then on the root. Returns
@@ -96,7 +98,13 @@ def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket
     the params every rank holds), so the params are bit-identical on every rank and within one int8 step
     of the fp32 masters, which the optimizer then keeps apart from fp32 params too ([Note: quantized param
     gathers] in zero/params/wire_gather.py). With a mesh the param gathers stay inside a host and full
-    precision. The same on every shard() call."""
+    precision. The same on every shard() call.
+    matrices: the params a matrix optimizer (ZeroOptimizer's torch.optim.Muon groups) will step
+    whole, so on several ranks each is laid out whole in one rank's shard, owners balanced by
+    Newton-Schulz cost ([Note: whole matrices in units] in zero/core/whole_matrices.py): an iterable
+    of params (any superset, e.g. the whole Muon group on every call), or fn(name, param) -> bool
+    over the unit's own params (names as in this module; a meta module's params are new once
+    materialised, so name them this way)."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"shard() takes an nn.Module, got {type(module).__name__}")
     if isinstance(module, ZeroModule):
@@ -143,6 +151,8 @@ def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket
             raise ValueError(f"zerokern.shard: {n} is on the meta device; materialise the module first "
                              "(module.to_empty(device=...) and initialise it), or shard it with stage=3, which "
                              "materialises one unit at a time")
+    if matrices is not None:  # [Note: whole matrices in units]
+        config = dataclasses.replace(config, matrices=_matrices_of(matrices, params, names))
     policy = param_policy(strategy)
     policy.before_unit(comm, module, config, params, names)  # stage 3: shard() runs collectives from here on
     unit = make_unit(params, names, runs, comm, config, type(module).__name__, grad_path(strategy), policy)
@@ -199,6 +209,30 @@ def full_state_dict(model: torch.nn.Module, *, rank0_only: bool = True, device="
         else:
             out[k] = v.to(device, copy=True) if isinstance(v, torch.Tensor) else v
     return out
+
+
+def _matrices_of(matrices, params, names) -> WholeMatrices:
+    """shard(matrices=...): the WholeMatrices of the unit's own trainable params it names (an
+    iterable of params, or fn(name, param) -> bool), each checked to be 2-D."""
+    if callable(matrices):
+        chosen = [p for p, n in zip(params, names) if p.requires_grad and matrices(n, p)]
+    elif isinstance(matrices, torch.Tensor):
+        raise TypeError("zerokern.shard(matrices=...) takes an iterable of params or fn(name, param) -> bool, got "
+                        "one tensor; wrap it in a list")
+    else:
+        try:
+            given = {id(p) for p in matrices}
+        except TypeError:
+            raise TypeError("zerokern.shard(matrices=...) takes an iterable of params or fn(name, param) -> bool, "
+                            f"got {type(matrices).__name__}") from None
+        chosen = [p for p in params if p.requires_grad and id(p) in given]
+    for p in chosen:
+        if p.dim() != 2:
+            name = names[next(k for k, q in enumerate(params) if q is p)]
+            raise ValueError(f"zerokern.shard(matrices=...): {name} has shape {list(p.shape)}; a matrix optimizer "
+                             "(torch.optim.Muon) steps 2-D params only. Name the 2-D hidden weights only, and give "
+                             "the other params (embeddings, norms, biases) another optimizer")
+    return WholeMatrices.of("muon", chosen)
 
 
 def _device_type(module, device) -> str:

@@ -43,7 +43,8 @@ class ZeroEngine:
         disk_state_keys: an optimizer that keeps its own state (ZeroOptimizer: state_keys=()) names
         here the per-element fp32 state that OffloadPolicy(device="nvme") streams from disk for it.
         matrices: a WholeMatrices (core/whole_matrices.py), the params an optimizer steps whole, laid
-        out whole in one rank's shard each; for params this engine buckets itself (no shard())."""
+        out whole in one rank's shard each: by this engine for the params it buckets itself, by
+        zerokern.shard(matrices=...) for its units' ([Note: whole matrices in units])."""
         self.optimizer = weakref.ref(optimizer)  # the runtime never calls up into it
         all_params = [p for g in groups for p in g]
         self.trainable = [p for p in all_params if p.requires_grad]
@@ -54,12 +55,9 @@ class ZeroEngine:
                                      overlap_param_gather, state.align if state is not None else None, mesh,
                                      self.trainable[0].device.type if self.trainable else "cpu", reduce_precision,
                                      gather_precision)
-        if matrices is not None:
-            if owned:  # their layout was made by zerokern.shard(), before the optimizer was known
-                raise ValueError(f"zerokern: {what} steps some params as whole matrices, which needs them laid out "
-                                 f"for it, but unit '{owned[0].name}' was laid out by zerokern.shard() before; pass "
-                                 "the params without shard()")
-            config = dataclasses.replace(config, matrices=matrices)
+        if matrices is not None:  # [Note: whole matrices in units]: shard() laid its units out
+            _check_units_hold(owned, matrices, what)
+            config = dataclasses.replace(config, matrices=matrices)  # for the params bucketed here
         self.strategy = strategy = config.strategy(self.comm.world_size)  # strategy.stage: the stage as given
         index = {p: k for k, p in enumerate(all_params)}
         if loose and (config.overlap_param_gather or strategy.needs_units):
@@ -332,6 +330,22 @@ class ZeroEngine:
             rep["total"] += rep["nvme_buffers"]
             rep["on_disk"] = sum(s.disk_bytes() for s in disk)
         return rep
+
+
+def _check_units_hold(units, matrices, what):
+    """[Note: whole matrices in units]: every param of `matrices` in a unit whose layout splits it
+    over several shards was laid out whole by it (zerokern.shard(matrices=...)), or raise naming it."""
+    for u in units:
+        laid = u.config.matrices
+        for f in u.flat:
+            shards = f.layout.world_size  # 1: every param is whole in any layout
+            for m in f.members:
+                if shards > 1 and matrices.holds(m.param) and (laid is None or not laid.holds(m.param)):
+                    raise ValueError(
+                        f"zerokern: {what} steps {m.name} as a whole matrix, so on {shards} ranks it must lie whole "
+                        f"in one rank's shard, but unit '{u.name}' was laid out by zerokern.shard() without it. "
+                        "Pass matrices= to every zerokern.shard() call (the Muon groups' params, or fn(name, param) "
+                        "-> bool), or at stages 1 and 2 the params without shard()")
 
 
 def _pieces_of(store, tindex):

@@ -15,13 +15,14 @@ def sharding(units, zero_stage, process_group, bucket_cap_mb, overlap_comm, offl
     """(Comm, ShardConfig) for the params: the units' own, or one from the arguments. align: the
     element multiple the state needs its shards in (int8 state: its blocks), or None."""
     if units:
-        # Bucket size and reshard_after_forward are each unit's own (a root often keeps its params
-        # gathered, as FSDP2's reshard_after_forward=False); the rest is one engine's, so alike.
+        # Bucket size, reshard_after_forward and matrices are each unit's own (a root often keeps its
+        # params gathered, as FSDP2's reshard_after_forward=False; each unit names its own matrices:
+        # [Note: whole matrices in units]); the rest is one engine's, so alike.
         differ = _differences(units)
         if differ:
-            raise ValueError("zerokern: the params were sharded with different options (only bucket_cap_mb and "
-                             "reshard_after_forward may differ per unit); pass the same to every shard() call: "
-                             + "; ".join(differ))
+            raise ValueError("zerokern: the params were sharded with different options (only bucket_cap_mb, "
+                             "reshard_after_forward and matrices may differ per unit); pass the same to every "
+                             "shard() call: " + "; ".join(differ))
         config = units[0].config
         given = {"zero_stage": (zero_stage, config.stage), "bucket_cap_mb": (bucket_cap_mb, config.bucket_cap_mb),
                  "overlap_comm": (overlap_comm, config.overlap_comm), "offload": (offload, config.offload),
@@ -58,7 +59,7 @@ def _differences(units):
     """What differs between the units' sharding, beyond the per-unit options: per field, which
     units have which value ("process group: ranks [0, 1] (blocks.0); mesh (2, 2) (root, head)")."""
     per_field = {f.name: [getattr(u.config, f.name) for u in units] for f in dataclasses.fields(units[0].config)
-                 if f.name not in ("bucket_cap_mb", "reshard_after_forward")}
+                 if f.name not in ("bucket_cap_mb", "reshard_after_forward", "matrices")}
     groups = {}  # the units' groups, in order of first use, told apart by identity
     for u in units:
         groups.setdefault(id(u.comm.group), (len(groups), u.comm))

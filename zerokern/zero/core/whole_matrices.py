@@ -6,6 +6,17 @@ It names the params by id(): the unit that holds the config holds the params too
 be reused while it is read. Ids differ between processes, so the ranks agree on agreed() (the
 cost and how many), not on the ids; which params they are is agreed through the param groups'
 shapes and sizes, which Agreement.same_model_on_every_rank compares already.
+
+[Note: whole matrices in units] A stage-3 unit (zerokern.shard) is laid out, and sharded, before
+the optimizer exists, so the optimizer cannot lay its matrices out as it does for the params it
+buckets itself. shard(matrices=...) names them instead, and the unit's ShardConfig carries the
+WholeMatrices of its own params (each unit its own, so the field is per unit, as bucket_cap_mb
+is). The unit's FlatLayout is then plan_matrix_layout's: each matrix whole in one rank's shard,
+so the reduce-scatter delivers its whole grad to its owner, the owner's slice kept between
+gathers is the whole matrix, and the ordinary gather brings the update back. No byte beyond
+ZeRO-3's and the plan's padding. The engine checks that every matrix the optimizer steps whole
+lies in a unit that laid it out so, naming the param otherwise. The owners are balanced within
+a unit (loads carried across its buckets, not across units).
 """
 
 from dataclasses import dataclass, field

@@ -113,7 +113,7 @@ class UnitShards(WholeParams):
         desc = repr([(n, tuple(p.shape), str(p.dtype), p.requires_grad) for p, n in zip(params, names)])
         mine = {"params": len(params), "elements": sum(p.numel() for p in params),
                 "the params' names/shapes/dtypes/requires_grad": "#" + hashlib.sha256(desc.encode()).hexdigest()[:16],
-                **fields_of(config)}
+                **fields_of(config.agreed())}  # not the process-local ids of config.matrices
         everyone = comm.differing(mine, f"zerokern.shard({type(module).__name__}, stage=3)")
         if everyone is not None:
             raise ValueError(f"zerokern.shard({type(module).__name__}, stage=3): the ranks shard different params "

@@ -1,0 +1,117 @@
+"""ZeroOptimizer with a torch.optim.Muon group beside an AdamW group where zerokern.shard() lays the
+params out: stage 3 on 2 and 4 ranks (units laid out with shard(matrices=...), [Note: whole
+matrices in units] in zerokern/zero/core/whole_matrices.py) and a 2 x 2 (replicate, shard) mesh.
+Every rank on the same batch, so the reduced grads are one process's bit for bit: after 20 steps
+the params equal one-process torch.optim.Muon + torch.optim.AdamW (same thread count: the
+harness's one), every rank's alike bit for bit, and Newton-Schulz ran once per matrix and step in
+each shard group. Bodies in muon_units_workers.py."""
+
+import re
+
+import pytest
+import torch
+
+import dist_harness
+import muon_units_workers as w
+import zerokern
+
+pytestmark = pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon is torch 2.9+")
+
+# every rank reduces the same grads, so Muon and AdamW see one process's inputs: the issue's bar is
+# 1e-6; measured 0.0. bf16 params: the reference steps fp32 masters as zerokern does, so the same
+# bits are expected (0.0).
+TOL = {torch.float32: 1e-6, torch.bfloat16: 0.0}
+
+
+def _check(out, cases, world, shard_size):
+    for k, (stage, mesh, dtype, how) in enumerate(cases):
+        case = f"stage {stage}, mesh {mesh}, {dtype}, {how}"
+        per_group = {}
+        for rank, o in enumerate(out):
+            diff, stepped, owned, _, group, mom, matrices = o[k]
+            assert diff <= TOL[dtype], f"{case}, rank {rank}: params {diff} from one-process Muon + AdamW"
+            assert mom <= TOL[torch.float32], f"{case}, rank {rank}: momentum {mom} from one-process Muon's"
+            assert stepped == w.STEPS * owned, f"{case}, rank {rank}: {stepped} matrix steps for {owned} owned"
+            assert len(group) == shard_size
+            per_group.setdefault(tuple(group), []).append(stepped)
+        assert len(per_group) == world // shard_size
+        for group, stepped in per_group.items():
+            # NS once per matrix and step in each shard group (a mesh's replicas each run it: hybrid sharding)
+            assert sum(stepped) == w.STEPS * matrices, f"{case}, shard group {group}: {stepped}"
+            assert all(stepped), f"{case}, shard group {group}: a rank owns no matrix"
+        first = out[0][k][3]
+        for rank, o in enumerate(out):
+            for name, v in o[k][3].items():
+                assert torch.equal(v, first[name]), f"{case}: rank {rank}'s {name} differs from rank 0's"
+
+
+@pytest.mark.parametrize("stage, dtype, how", [(3, torch.float32, "list"), (3, torch.bfloat16, "predicate"),
+                                               (3, torch.float32, "meta"), (2, torch.float32, "list")])
+def test_units_on_two_ranks_are_one_process_muon_and_adamw(stage, dtype, how):
+    """Units from shard(matrices=...): at stage 3 (fp32, bf16, a meta-device model) and stage 2."""
+    cases = [(stage, None, dtype, how)]
+    _check(dist_harness.values(dist_harness.run(w.same_batch, 2, cases, timeout=400)), cases, 2, 2)
+
+
+def test_stage_3_on_four_ranks_is_one_process_muon_and_adamw():
+    """Four matrices a block (the model is wide on 4 ranks), so each unit's plan gives every rank one."""
+    cases = [(3, None, torch.float32, "list"), (3, None, torch.bfloat16, "predicate")]
+    _check(dist_harness.values(dist_harness.run(w.same_batch, 4, cases, timeout=500)), cases, 4, 4)
+
+
+@pytest.mark.parametrize("stage, dtype", [(1, torch.float32), (2, torch.float32), (2, torch.bfloat16),
+                                          (3, torch.float32), (3, torch.bfloat16)])
+def test_a_2x2_mesh_is_one_process_muon_and_adamw(stage, dtype):
+    cases = [(stage, (2, 2), dtype, "optimizer" if stage < 3 else "predicate" if dtype == torch.bfloat16 else "list")]
+    _check(dist_harness.values(dist_harness.run(w.same_batch, 4, cases, timeout=500)), cases, 4, 2)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_units_without_a_matrix_are_refused_by_name_on_every_rank(stage):
+    for text in dist_harness.values(dist_harness.run(w.unlaid, 2, stage, timeout=120)):
+        assert text is not None and re.search(
+            r"ZeroOptimizer steps blocks\.\d\.(up|down)\.weight as a whole matrix, so on 2 ranks it must lie whole "
+            r"in one rank's shard, but unit 'blocks\.\d' was laid out by zerokern\.shard\(\) without it\. Pass "
+            r"matrices= to every zerokern\.shard\(\) call", text), text
+
+
+def test_shard_refuses_matrices_that_are_not_2d_by_name():
+    model = w.Net()
+    with pytest.raises(ValueError, match=r"zerokern.shard\(matrices=...\): up.bias has shape \[21\]; a matrix "
+                                         r"optimizer \(torch.optim.Muon\) steps 2-D params only"):
+        zerokern.shard(model.blocks[0], stage=2, matrices=lambda name, p: name.startswith("up"))
+    with pytest.raises(TypeError, match=r"takes an iterable of params or fn\(name, param\) -> bool, got one tensor"):
+        zerokern.shard(model.blocks[0], stage=2, matrices=model.blocks[0].up.weight)
+    assert not isinstance(model.blocks[0], zerokern.zero.api.ZeroModule), "refused before the unit was made"
+
+
+def test_units_with_matrices_on_one_process_are_torch_muon():
+    """shard(matrices=) on one process changes no layout (every param is whole on one shard)."""
+    ref = w.Net()
+    model = w.Net()
+    model.load_state_dict(ref.state_dict())
+    mine = w.hidden(model)
+    for b in model.blocks:
+        zerokern.shard(b, stage=3, matrices=mine)
+    zerokern.shard(model, stage=3, matrices=mine)
+    mine, rest = w._groups(model)
+    opt = zerokern.ZeroOptimizer([{"params": mine, "optimizer": torch.optim.Muon, **w.MUON},
+                                  {"params": rest, **w.ADAMW}], torch.optim.AdamW)
+    ref_opt = w._Reference(ref)
+    for x in w._batches()[:4]:
+        for m, o in ((ref, ref_opt), (model, opt)):
+            o.zero_grad()
+            m(x).backward()
+            o.step()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), n
+    assert opt.matrices_stepped == 4 * len(mine)
+
+
+@pytest.mark.parametrize("stage, how", [(3, "list"), (2, "optimizer")])
+def test_a_run_resumed_from_its_state_dicts_takes_the_same_steps(stage, how):
+    """At stage 3 the momentum is gathered from its owner and handed back to it, as at stage 2."""
+    shapes = {k: list(p.shape) for k, p in enumerate(w.hidden(w.Net()))}
+    for same, saved in dist_harness.values(dist_harness.run(w.resume, 2, stage, how, timeout=300)):
+        assert all(same.values()), [n for n, ok in same.items() if not ok]
+        assert saved == shapes, "each matrix's whole momentum on every rank, keyed by its index"

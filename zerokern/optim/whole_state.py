@@ -40,7 +40,8 @@ from ..zero.unit import unit_of
 
 def check_whole_matrices(cls, why, params, names, sharding, two_d=True):
     """[Note: whole matrices on their owners]: raise, naming the culprit, unless every param of
-    a matrix optimizer's groups is 2-D where two_d (Muon's; Adafactor takes any shape), there is one, and its state is in memory.
+    a matrix optimizer's groups is 2-D where two_d (Muon's; Adafactor takes any shape), there is
+    one, and its state is in memory.
     Where shard() laid the params out, the engine checks that it kept them whole ([Note: whole
     matrices in units] in zero/core/whole_matrices.py)."""
     if not params:

@@ -95,7 +95,7 @@ def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket
     forward and backward, the shards stay exact; at stages 1/2 each step gathers the update (master minus
     the params every rank holds), so the params are bit-identical on every rank and within one int8 step
     of the fp32 masters, which the optimizer then keeps apart from fp32 params too ([Note: quantized param
-    gathers] in zero/params/wire_gather.py). With a mesh the param gathers stay inside a host and full
+    gathers] in zero/params/gather.py). With a mesh the param gathers stay inside a host and full
     precision. The same on every shard() call."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"shard() takes an nn.Module, got {type(module).__name__}")

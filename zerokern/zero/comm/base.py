@@ -159,8 +159,13 @@ class Comm:
         o = i if output is input else torch.empty(output.shape, dtype=dtype, device=output.device)
         return Then(run(o, i), lambda: output.copy_(o))
 
-    def all_gather(self, output, input, name="all_gather"):
-        """Async all-gather of every rank's `input` into `output` (input may be output's own slice)."""
+    def all_gather(self, output, input, name="all_gather", wire=None):
+        """Async all-gather of every rank's `input` into `output` (input may be output's own slice).
+        wire: a bucket's ParamWire (comm/wire.py) when the gather travels quantized: `input` is then
+        what this rank sends (fp32), which the wire encodes and gathers through this Comm ([Note:
+        one codec])."""
+        if wire is not None:
+            return wire.all_gather(self, output, input, name)
         if not self.distributed:
             return DONE
         return self._launch(name, output, lambda g: _all_gather(output, input, group=g, async_op=True))

@@ -248,7 +248,9 @@ class GlooComm(Comm):
         own = input[self.rank * n:(self.rank + 1) * n]
         return Then(work, lambda: output.add_(own))
 
-    def all_gather(self, output, input, name="all_gather"):
+    def all_gather(self, output, input, name="all_gather", wire=None):
+        if wire is not None:  # the bytes come back here ([Note: one codec]): gathered as below
+            return wire.all_gather(self, output, input, name)
         if self._relays(output, input) and output.numel() == input.numel() * self.world_size:
             return self._launch(name, output, lambda g: self._relay_all_gather(output, input, g))
         if self._gathers_by_broadcast(output, input):

@@ -62,12 +62,9 @@ class Comm:
         self.group = process_group
         self.world_size = dist.get_world_size(process_group) if process_group is not None else 1
         self.rank = dist.get_rank(process_group) if process_group is not None else 0
+        self.distributed = self.world_size > 1  # more than one rank: collectives run (fixed with the group)
         self.wait_seconds = 0.0  # host time spent waiting on collectives (bench/overlap.py reads it)
         self.check = check  # [Note: announced collectives] (check.py); None: launched directly
-
-    @property
-    def distributed(self):
-        return self.world_size > 1
 
     @property
     def dp_size(self) -> int:

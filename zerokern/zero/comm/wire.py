@@ -234,7 +234,7 @@ class ParamWire(Codec):
         if output.numel() != self.world * self.n:
             raise RuntimeError(f"zerokern internal error: {name}: a buffer of {output.numel()} elements for "
                                f"{self.world} slices of {self.n}")
-        data = _slots(self.world, self.n, self.bits, output.device)
+        data = _slots(self.world, self.chunk, self.used, output.device)
         mine = data[self.rank * self.chunk:(self.rank + 1) * self.chunk]
         self.encode(input, mine[:self.used], PARAM_STREAM, self.rank * self.n)
         return Then(comm.all_gather(data, mine, name), lambda: self._decode(data, output))
@@ -279,11 +279,10 @@ def _fp32_view(t: torch.Tensor) -> Optional[torch.Tensor]:
     return t.view(-1) if t.dtype == torch.float32 and t.is_contiguous() else None
 
 
-def _slots(world: int, n: int, bits: int, device) -> torch.Tensor:
-    """A send buffer of `world` slots of stride(n) bytes for chunks of n values, each slot's pad
-    tail (up to 3 bytes past the encoded ones) zeroed: the bytes that cross a link are all written,
-    never leftover process memory."""
-    chunk, used = stride(n, bits), wire.nbytes(n, bits)
+def _slots(world: int, chunk: int, used: int, device) -> torch.Tensor:
+    """A send buffer of `world` slots of `chunk` bytes (stride(n)) for `used` bytes of codes each
+    (nbytes(n)), each slot's pad tail (up to 3 bytes past the codes) zeroed: the bytes that cross
+    a link are all written, never leftover process memory."""
     send = torch.empty(world * chunk, dtype=torch.uint8, device=device)
     if chunk > used:
         send.view(world, chunk)[:, used:].zero_()
@@ -327,11 +326,11 @@ def reduce_scatter(output, input, group, rank: int, world: int, w: GradWire):
     if x.numel() != world * n:  # every element of the new residual is written below
         raise RuntimeError(f"zerokern internal error: a reduce-scatter of {x.numel()} elements into {world} x {n}")
     sides = w.sides(w.sent, x.numel(), x.device)
-    chunk = stride(n, w.bits)
-    send = _slots(world, n, w.bits, x.device)  # the own slot is not encoded: all_to_all copies it locally
+    chunk, used = stride(n, w.bits), wire.nbytes(n, w.bits)
+    send = _slots(world, chunk, used, x.device)  # the own slot is not encoded: all_to_all copies it locally
     for r in range(world):
         if r != rank:
-            w.encode(x, send[r * chunk:r * chunk + wire.nbytes(n, w.bits)], 0, r * n, sides, r * n, (r + 1) * n)
+            w.encode(x, send[r * chunk:r * chunk + used], 0, r * n, sides, r * n, (r + 1) * n)
     own = w.own(x, sides, rank * n, (rank + 1) * n)
     w.count += 1
     recv = torch.empty_like(send)
@@ -353,9 +352,9 @@ def all_reduce(tensor, group, rank: int, world: int, w: GradWire):
     x = tensor.reshape(-1).contiguous()
     sides = w.sides(w.sent, n, x.device)
     if world == 2:
-        size = stride(n, w.bits)
-        mine = _slots(1, n, w.bits, x.device)
-        w.encode(x, mine[:wire.nbytes(n, w.bits)], 0, 0, sides, 0, n)
+        size, used = stride(n, w.bits), wire.nbytes(n, w.bits)
+        mine = _slots(1, size, used, x.device)
+        w.encode(x, mine[:used], 0, 0, sides, 0, n)
         w.count += 1
         both = torch.empty(2 * size, dtype=torch.uint8, device=x.device)
         work = _all_gather(both, mine, group=group, async_op=True)
@@ -364,7 +363,7 @@ def all_reduce(tensor, group, rank: int, world: int, w: GradWire):
             into = _fp32_view(tensor)
             acc = torch.empty(n, dtype=torch.float32, device=x.device) if into is None else into
             for r in range(2):
-                wire_ops.decode_(both[r * size:r * size + wire.nbytes(n, w.bits)], n, w.bits, acc, accumulate=r > 0)
+                wire_ops.decode_(both[r * size:r * size + used], n, w.bits, acc, accumulate=r > 0)
             if into is None:
                 tensor.copy_(acc.view_as(tensor))
         return Then(work, finish)

@@ -113,7 +113,10 @@ class AllOf:
 
     def wait_for(self, seconds) -> bool:
         deadline = time.monotonic() + seconds
-        return all(finished(w, deadline - time.monotonic()) for w in self.works)
+        for w in self.works:
+            if not finished(w, deadline - time.monotonic()):
+                return False
+        return True
 
 
 class Pending:

@@ -152,7 +152,8 @@ class BucketParams:
         """-> SHARDED: only this rank's slice is current (the update is about to write it, or at
         stage 3 the unit is done with its params), and with `frees` the buffer's storage goes. A
         gather in flight is waited for first: it writes the buffer, and every rank launched it."""
-        self.wait()
+        if self.state is ParamState.GATHERING:
+            self.wait()
         if self.state is not ParamState.GATHERED:
             return
         if self.frees:

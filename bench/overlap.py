@@ -126,7 +126,9 @@ class SimComm:
     def all_reduce(self, tensor, op=dist.ReduceOp.SUM, name="all_reduce", across=None, wire=None):
         return self._delay(self.inner.all_reduce(tensor, op, name, across, wire), tensor, name)
 
-    def all_gather(self, output, input, name="all_gather"):
+    def all_gather(self, output, input, name="all_gather", wire=None):
+        if wire is not None:  # the wire gathers its bytes through this Comm: the link carries those
+            return wire.all_gather(self, output, input, name)
         return self._delay(self.inner.all_gather(output, input, name), output, name)
 
     def wait(self, work):

@@ -20,8 +20,13 @@ import dist_harness
 # the gather after the step waits its buckets directly: grad 145 in 26 (int8: 167 in 30), gather
 # 73 in 13 (int8: 123 in 18). Of the grad's 145, 56 are in comm/ (its collectives' launches and
 # waits), 13 in optim/ and kernels/ (7 of them the one fused kernel call), 76 in zero/ outside comm/.
-GRAD_LIMITS = {None: (152, 27), "int8": (175, 31)}
-GATHER_LIMITS = {None: (77, 14), "int8": (129, 19)}
+# (Measured again on main before the next change: grad 142, int8 166, gather 72, int8 123.) Since
+# param gathers take their codec through Comm.all_gather (wire=, as the reductions do) and comm/
+# keeps what the group fixes (`distributed`, gloo's broadcast sources, a codec's byte sizes) and
+# waits a planned collective once: grad 131 in 26 (int8: 154 in 30), gather 64 in 13 (int8: 111 in
+# 18). The grad's limit is issue 48's goal, half the first count (271).
+GRAD_LIMITS = {None: (135, 27), "int8": (161, 31)}
+GATHER_LIMITS = {None: (67, 14), "int8": (116, 19)}
 
 
 @pytest.mark.parametrize("precision", [None, "int8"], ids=["full", "int8"])

@@ -97,7 +97,7 @@ def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket
     forward and backward, the shards stay exact; at stages 1/2 each step gathers the update (master minus
     the params every rank holds), so the params are bit-identical on every rank and within one int8 step
     of the fp32 masters, which the optimizer then keeps apart from fp32 params too ([Note: quantized param
-    gathers] in zero/params/wire_gather.py). With a mesh the param gathers stay inside a host and full
+    gathers] in zero/params/gather.py). With a mesh the param gathers stay inside a host and full
     precision. The same on every shard() call.
     matrices: the params a matrix optimizer (ZeroOptimizer's torch.optim.Muon groups) will step
     whole, so on several ranks each is laid out whole in one rank's shard, owners balanced by

@@ -1,5 +1,5 @@
 """Param gathers in int8 (gather_precision="int8", [Note: quantized param gathers] in
-zerokern/zero/params/wire_gather.py) on 2 gloo ranks: training against the unquantized run,
+zerokern/zero/params/gather.py) on 2 gloo ranks: training against the unquantized run,
 every rank's params bit for bit, the held params within one int8 step of the exact masters over
 200 steps, an inf/nan update, a mesh (not quantized), and the bytes on the wire."""
 
@@ -9,8 +9,8 @@ import torch
 import dist_harness
 import wire_gather_workers as W
 from zerokern.kernels import wire
-from zerokern.zero.comm.works import _Done
-from zerokern.zero.params.wire_gather import ParamWire, chunk_bytes, sent_bytes
+from zerokern.zero.comm.wire import ParamWire, gather_bytes, stride
+from zerokern.zero.comm.works import DONE
 
 REF_STEPS, STEPS = 30, 200
 
@@ -111,9 +111,9 @@ def test_refused_without_masters():
 def test_bytes_per_gather(n):
     """One byte per element and an fp32 scale per wire.BLOCK (to a multiple of 4 bytes): 3.76x fewer
     than fp32 params send, 1.88x fewer than bf16."""
-    assert sent_bytes(n, 4, None) == 4 * n and sent_bytes(n, 2, None) == 2 * n
-    q = sent_bytes(n, 4, "int8")
-    assert q == chunk_bytes(n, 8) and q % 4 == 0
+    assert gather_bytes(n, 4, None) == 4 * n and gather_bytes(n, 2, None) == 2 * n
+    q = gather_bytes(n, 4, "int8")
+    assert q == stride(n, 8) and q % 4 == 0
     b = wire.BLOCK
     assert n + 4 * (-(-n // b)) <= q < n + 4 * (-(-n // b)) + 4
     if n % b == 0:
@@ -121,10 +121,11 @@ def test_bytes_per_gather(n):
 
 
 class _OneRank:
-    """A Comm of one rank: the gather's bytes are this rank's own."""
+    """A Comm of one rank: the gather's bytes are this rank's own (a quantized gather's wire
+    encodes, gathers its bytes through this Comm, and decodes, as through a real one)."""
 
-    def all_gather(self, output, input, name=""):
-        return _Done()
+    def all_gather(self, output, input, name="", wire=None):
+        return DONE if wire is None else wire.all_gather(self, output, input, name)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -136,11 +137,11 @@ def test_delta_gather_reaches_the_master_within_one_step(n, dtype):
     g = torch.Generator().manual_seed(n)
     held = torch.randn(n, generator=g).to(dtype)
     master = held.float() + 1e-2 * torch.randn(n, generator=g)
-    pw = ParamWire("int8", "b", n, 0, 1)
+    pw = ParamWire("int8", "b", n, 0, 1, adds=True)
     for k in range(3):
         before = held.float().clone()
-        pw.updates = k
-        pw.gather_delta(_OneRank(), held, master, "test").wait()
+        pw.count = k
+        _OneRank().all_gather(held, master - before, "test", wire=pw).wait()
         scale = W._block_scales(master - before)
         half_ulp = 2.0 ** -24 if dtype == torch.float32 else 2.0 ** -8
         assert bool(((master - held.float()).abs() <= scale + half_ulp * held.float().abs()).all())

@@ -62,12 +62,9 @@ class Comm:
         self.group = process_group
         self.world_size = dist.get_world_size(process_group) if process_group is not None else 1
         self.rank = dist.get_rank(process_group) if process_group is not None else 0
+        self.distributed = self.world_size > 1  # more than one rank: collectives run (fixed with the group)
         self.wait_seconds = 0.0  # host time spent waiting on collectives (bench/overlap.py reads it)
         self.check = check  # [Note: announced collectives] (check.py); None: launched directly
-
-    @property
-    def distributed(self):
-        return self.world_size > 1
 
     @property
     def dp_size(self) -> int:
@@ -159,8 +156,13 @@ class Comm:
         o = i if output is input else torch.empty(output.shape, dtype=dtype, device=output.device)
         return Then(run(o, i), lambda: output.copy_(o))
 
-    def all_gather(self, output, input, name="all_gather"):
-        """Async all-gather of every rank's `input` into `output` (input may be output's own slice)."""
+    def all_gather(self, output, input, name="all_gather", wire=None):
+        """Async all-gather of every rank's `input` into `output` (input may be output's own slice).
+        wire: a bucket's ParamWire (comm/wire.py) when the gather travels quantized: `input` is then
+        what this rank sends (fp32), which the wire encodes and gathers through this Comm ([Note:
+        one codec])."""
+        if wire is not None:
+            return wire.all_gather(self, output, input, name)
         if not self.distributed:
             return DONE
         return self._launch(name, output, lambda g: _all_gather(output, input, group=g, async_op=True))

@@ -149,13 +149,15 @@ class CollectiveCheck:
         rank that left the plan will never make it) or it waited past the timeout ([Note: planned
         collectives]); elsewhere (NCCL) a bounded wait would block the host, so it waits as before."""
         try:
-            while self.plans and not finished(queued.work, POLL_SECONDS):
+            if not self.plans:
+                return queued.work.wait()
+            while not finished(queued.work, POLL_SECONDS):  # True: completed (not waited for again)
                 if self._error is not None:
                     raise type(self._error)(*self._error.args)
                 if time.monotonic() - queued.launched_at > self.groups.timeout:
                     error = self._waiting_failed(seq, what, "timed out")  # as an announcement's
                     raise type(error)(*error.args)
-            return queued.work.wait()
+            return True
         except RuntimeError as e:  # launched, then a peer vanished mid-transfer
             if any(g in str(e) for g in _GONE):
                 raise _rank_lost(self.rank, f"during #{seq} {what}", e) from None

@@ -156,6 +156,8 @@ class GlooComm(Comm):
         self.across_hosts = self.world_size > 2 and self.hosts.spans
         self.prefers_all_reduce = not self.exchange_reduce and not self.across_hosts
         self.broadcast_gather = True
+        # each group rank's global rank, a broadcast's src ([Note: gather as broadcasts]): fixed with the group
+        self.global_ranks = [self._global_rank(r) for r in range(self.world_size)] if self.group is not None else [0]
 
     def reduce_scatter(self, output, input, name="reduce_scatter", wire=None):
         if wire is not None:  # an all-to-all of quantized chunks, or a cast ([Note: quantized reductions])
@@ -178,10 +180,10 @@ class GlooComm(Comm):
         base = (next(PROCESS.of(group).tags) % span) * self.world_size
 
         def send(tensor, dst, chunk):
-            return dist.isend(tensor, self._global_rank(dst), group=group, tag=base + chunk)
+            return dist.isend(tensor, self.global_ranks[dst], group=group, tag=base + chunk)
 
         def recv(tensor, src, chunk):
-            return dist.irecv(tensor, self._global_rank(src), group=group, tag=base + chunk)
+            return dist.irecv(tensor, self.global_ranks[src], group=group, tag=base + chunk)
         return send, recv
 
     def _relay_reduce_scatter(self, output, input, group):
@@ -248,12 +250,13 @@ class GlooComm(Comm):
         own = input[self.rank * n:(self.rank + 1) * n]
         return Then(work, lambda: output.add_(own))
 
-    def all_gather(self, output, input, name="all_gather"):
+    def all_gather(self, output, input, name="all_gather", wire=None):
+        if wire is not None:  # the bytes come back here ([Note: one codec]): gathered as below
+            return wire.all_gather(self, output, input, name)
         if self._relays(output, input) and output.numel() == input.numel() * self.world_size:
             return self._launch(name, output, lambda g: self._relay_all_gather(output, input, g))
         if self._gathers_by_broadcast(output, input):
-            n = input.numel()
-            srcs = [self._global_rank(r) for r in range(self.world_size)]
+            n, srcs = input.numel(), self.global_ranks
             return self._launch(name, output, lambda g: AllOf([
                 dist.broadcast(output[r * n:(r + 1) * n], src=srcs[r], group=g, async_op=True)
                 for r in range(self.world_size)]))

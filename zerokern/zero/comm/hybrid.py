@@ -8,7 +8,7 @@ the replicas (the ranks that hold the same shard on the other hosts), so the slo
 1/shard-size of a bucket, as DeepSpeed ZeRO++'s hpZ and FSDP2's HSDP do; the sum is divided by
 the whole mesh's size. Replicas then hold identical shards and do identical updates, so the
 param gathers never cross hosts (so gather_precision leaves them full precision: [Note: quantized
-param gathers] in params/wire_gather.py). Agreements (flags, overflow, setup broadcasts, the checks that
+param gathers] in params/gather.py). Agreements (flags, overflow, setup broadcasts, the checks that
 every rank passed the same model) go over the whole mesh, so every rank still raises alike.
 
 [Note: the replica hop's thread] With the collective check on, the replica all-reduce of a
@@ -173,8 +173,8 @@ class HybridComm:
             return self.world.all_reduce(tensor, op=op, name=name)
         return self._across(self.shards.all_reduce(tensor, op=op, name=name), tensor, across, name, wire)
 
-    def all_gather(self, output, input, name="all_gather"):
-        return self.shards.all_gather(output, input, name)
+    def all_gather(self, output, input, name="all_gather", wire=None):
+        return self.shards.all_gather(output, input, name, wire)
 
     def broadcast(self, tensor, src_rank=0, name="broadcast"):
         return self.world.broadcast(tensor, src_rank, name)

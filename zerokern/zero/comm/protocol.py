@@ -43,14 +43,15 @@ class CommProtocol(Protocol):
     def wait_seconds(self) -> float:
         """Host time spent waiting on collectives."""
 
-    # wire: a bucket's GradWire when its grads travel in another precision (comm/wire.py)
+    # wire: a bucket's codec when its grads (GradWire) or params (ParamWire) travel in another
+    # precision ([Note: one codec] in comm/wire.py)
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, name: str = ...,
                        wire: Any = None) -> Any: ...
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, name: str = ...,
                    across: Optional[torch.Tensor] = None, wire: Any = None) -> Any: ...
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, name: str = ...) -> Any: ...
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, name: str = ..., wire: Any = None) -> Any: ...
 
     def broadcast(self, tensor: torch.Tensor, src_rank: int = 0, name: str = ...) -> Any: ...
 

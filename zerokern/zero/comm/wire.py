@@ -1,5 +1,16 @@
-"""Gradient reductions in a lower precision than the grads: what a bucket sends (GradWire, with
-its error feedback) and the collectives that send it (reduce_scatter, all_reduce below).
+"""Collectives in a lower precision than the values: the codec a bucket's values go through
+(GradWire for grads, with its error feedback; ParamWire for param gathers) and the collectives
+that send grads that way (reduce_scatter, all_reduce below).
+
+[Note: one codec] Grads and params that travel quantized take one interface: a bucket's wire (a
+Codec), handed to the Comm's collective as `wire=`, for reduce_scatter, all_reduce and all_gather
+alike. The reductions launch the wire's own collectives (an all-to-all of codes, [Note: quantized
+reductions]); a gather has the wire encode this rank's values and gathers the bytes through the
+same Comm (so in its backend's way, gloo's broadcasts, and past any wrapper around it), decoding
+them when waited for. One key for the rounding (key(): the bucket's name, the rank where ranks
+encode the same elements, each value's offset and a count), and one rule for the bytes sent: all
+are written, the codes and zeros past them (_slots; a buffer of short or empty chunks is made
+zeroed), never leftover process memory.
 
 [Note: quantized reductions] reduce_precision="int8"/"int4" ([Note: the wire format] in
 kernels/wire.py) sends each rank's grads as blockwise codes and sums them only after decoding,
@@ -102,7 +113,33 @@ class Residual:
         return sum(t.numel() * t.element_size() for t in (self.committed, self.pending) if t is not None)
 
 
-class GradWire:
+def key(name: str, rank: int = 0) -> int:
+    """The base of a bucket's random stream ([Note: reproducible rounding] in kernels/lowbit.py):
+    16 bits of the bucket's name above the 32 of a value's offset, and above those the rank where
+    ranks encode the same elements (a reduction's: ranks must not round alike, or their errors
+    would not average out; a gather's slices are apart already)."""
+    return (rank << 48) | ((zlib.crc32(name.encode()) & 0xFFFF) << 32)
+
+
+class Codec:
+    """What a bucket's values go through when they travel quantized ([Note: one codec]): `bits`,
+    and the key of the rounding: `seed`, `count` (the Philox counter's step word), `base` (key())
+    plus each value's offset, a stream per collective."""
+
+    seed = 0
+    stochastic = True  # ([Note: the wire format]); GradWire's: [Note: rounding with error feedback]
+
+    def encode(self, x: torch.Tensor, out: torch.Tensor, stream: int, offset: int, sides=(None, None), lo: int = 0,
+               hi: Optional[int] = None):
+        """x[lo:hi] (plus its residual) into `out`, its error into the error buffer's [lo:hi] (sides:
+        GradWire.sides() over x; none by default)."""
+        carried, error = sides
+        wire_ops.encode_(x[lo:hi], out, self.bits, self.seed, self.count, stream, self.base + offset,
+                         error=None if error is None else error[lo:hi],
+                         residual=None if carried is None else carried[lo:hi], stochastic=self.stochastic)
+
+
+class GradWire(Codec):
     """How one bucket's grads travel when reduce_precision is set: cast to a dtype (fp32, bf16),
     or quantized (int8, int4) with error feedback. `name` and `rank` key the random stream of the
     rounding, with a count of the bucket's reductions ([Note: reproducible rounding])."""
@@ -112,8 +149,7 @@ class GradWire:
         self.bits = _BITS.get(precision)
         self.dtype = _DTYPES.get(precision)
         self.seed = seed
-        # a stream per (rank, bucket): ranks must not round alike, or their errors would not average out
-        self.base = (rank << 48) | ((zlib.crc32(name.encode()) & 0xFFFF) << 32)
+        self.base = key(name, rank)  # a stream per (rank, bucket)
         # reductions so far (the Philox counter's step word): as the residuals, a skipped round's are
         # forgotten, so a run with a skipped step rounds as the same run without that batch
         self.count = self.committed_count = 0
@@ -158,14 +194,6 @@ class GradWire:
         carried = res.take(numel, device, self.replaces)  # before out(), which may replace the pending one
         return carried, res.out(numel, device)
 
-    def encode(self, x: torch.Tensor, out: torch.Tensor, stream: int, offset: int, sides, lo: int, hi: int):
-        """x[lo:hi] plus its residual into `out`, its error into the error buffer's [lo:hi] (sides:
-        from sides() over x)."""
-        carried, error = sides
-        wire_ops.encode_(x[lo:hi], out, self.bits, self.seed, self.count, stream, self.base + offset,
-                         error=None if error is None else error[lo:hi],
-                         residual=None if carried is None else carried[lo:hi], stochastic=self.stochastic)
-
     @staticmethod
     def own(x: torch.Tensor, sides, lo: int, hi: int) -> torch.Tensor:
         """x[lo:hi] plus its residual in fp32 (a copy): the chunk a rank sums without sending it, so
@@ -180,6 +208,58 @@ class GradWire:
 
 
 stride = wire.stride  # a chunk's bytes in a collective's buffer (aligned: kernels/wire.py)
+PARAM_STREAM = 2  # the wire's streams: 0 and 1 are the grad reductions' (below)
+
+
+class ParamWire(Codec):
+    """How one param bucket's gathers travel in int8 ([Note: quantized param gathers] in
+    params/gather.py): each rank's slice of `shard_numel` values, keyed by the bucket's name,
+    the slice's place in the bucket and `count`, the updates of the slices so far (a new key for
+    each update; the gathers of one update give the same bytes). adds: what a rank sends is an
+    update of its slice, which every rank adds to its copy (stages 1/2), else the slice's values,
+    which every rank writes (stage 3)."""
+
+    def __init__(self, precision: str, name: str, shard_numel: int, rank: int, world: int, adds: bool):
+        self.bits = _BITS[precision]
+        self.n, self.rank, self.world, self.adds = shard_numel, rank, world, adds
+        self.chunk, self.used = stride(shard_numel, self.bits), wire.nbytes(shard_numel, self.bits)
+        self.base = key(name)
+        self.count = 0
+
+    def all_gather(self, comm, output, input, name: str):
+        """Comm.all_gather(output, input, wire=self): `input` (this rank's n values, fp32) as codes
+        in this rank's slot of a byte buffer, the bytes gathered through `comm`, and every rank's
+        slice of `output` written from them when waited for, this rank's too: every rank computes
+        with the same bits."""
+        if output.numel() != self.world * self.n:
+            raise RuntimeError(f"zerokern internal error: {name}: a buffer of {output.numel()} elements for "
+                               f"{self.world} slices of {self.n}")
+        data = _slots(self.world, self.chunk, self.used, output.device)
+        mine = data[self.rank * self.chunk:(self.rank + 1) * self.chunk]
+        self.encode(input, mine[:self.used], PARAM_STREAM, self.rank * self.n)
+        return Then(comm.all_gather(data, mine, name), lambda: self._decode(data, output))
+
+    def _decode(self, data, output) -> None:
+        """Each rank's slice from its bytes, in rank order."""
+        n = self.n
+        with torch.no_grad():
+            for r in range(self.world):
+                out = output[r * n:(r + 1) * n]
+                chunk = data[r * self.chunk:r * self.chunk + self.used]
+                if out.dtype == torch.float32:
+                    if not self.adds:
+                        out.zero_()
+                    wire_ops.decode_add_(chunk, n, self.bits, out)
+                else:  # in fp32, then rounded to nearest into the 16-bit params (as the update writes them)
+                    acc = out.to(torch.float32) if self.adds else torch.zeros(n, dtype=torch.float32,
+                                                                              device=output.device)
+                    wire_ops.decode_add_(chunk, n, self.bits, acc)
+                    out.copy_(acc)
+
+
+def gather_bytes(n: int, element_size: int, precision) -> int:
+    """What one rank puts on the wire for its slice of n elements in one param gather (None: as they are)."""
+    return n * element_size if precision is None else stride(n, _BITS[precision])
 
 
 def all_reduce_bytes(part, world: int, w: Optional[GradWire]) -> int:
@@ -199,11 +279,10 @@ def _fp32_view(t: torch.Tensor) -> Optional[torch.Tensor]:
     return t.view(-1) if t.dtype == torch.float32 and t.is_contiguous() else None
 
 
-def _slots(world: int, n: int, bits: int, device) -> torch.Tensor:
-    """A send buffer of `world` slots of stride(n) bytes for chunks of n values, each slot's pad
-    tail (up to 3 bytes past the encoded ones) zeroed: the bytes that cross a link are all written,
-    never leftover process memory."""
-    chunk, used = stride(n, bits), wire.nbytes(n, bits)
+def _slots(world: int, chunk: int, used: int, device) -> torch.Tensor:
+    """A send buffer of `world` slots of `chunk` bytes (stride(n)) for `used` bytes of codes each
+    (nbytes(n)), each slot's pad tail (up to 3 bytes past the codes) zeroed: the bytes that cross
+    a link are all written, never leftover process memory."""
     send = torch.empty(world * chunk, dtype=torch.uint8, device=device)
     if chunk > used:
         send.view(world, chunk)[:, used:].zero_()
@@ -247,11 +326,11 @@ def reduce_scatter(output, input, group, rank: int, world: int, w: GradWire):
     if x.numel() != world * n:  # every element of the new residual is written below
         raise RuntimeError(f"zerokern internal error: a reduce-scatter of {x.numel()} elements into {world} x {n}")
     sides = w.sides(w.sent, x.numel(), x.device)
-    chunk = stride(n, w.bits)
-    send = _slots(world, n, w.bits, x.device)  # the own slot is not encoded: all_to_all copies it locally
+    chunk, used = stride(n, w.bits), wire.nbytes(n, w.bits)
+    send = _slots(world, chunk, used, x.device)  # the own slot is not encoded: all_to_all copies it locally
     for r in range(world):
         if r != rank:
-            w.encode(x, send[r * chunk:r * chunk + wire.nbytes(n, w.bits)], 0, r * n, sides, r * n, (r + 1) * n)
+            w.encode(x, send[r * chunk:r * chunk + used], 0, r * n, sides, r * n, (r + 1) * n)
     own = w.own(x, sides, rank * n, (rank + 1) * n)
     w.count += 1
     recv = torch.empty_like(send)
@@ -273,9 +352,9 @@ def all_reduce(tensor, group, rank: int, world: int, w: GradWire):
     x = tensor.reshape(-1).contiguous()
     sides = w.sides(w.sent, n, x.device)
     if world == 2:
-        size = stride(n, w.bits)
-        mine = _slots(1, n, w.bits, x.device)
-        w.encode(x, mine[:wire.nbytes(n, w.bits)], 0, 0, sides, 0, n)
+        size, used = stride(n, w.bits), wire.nbytes(n, w.bits)
+        mine = _slots(1, size, used, x.device)
+        w.encode(x, mine[:used], 0, 0, sides, 0, n)
         w.count += 1
         both = torch.empty(2 * size, dtype=torch.uint8, device=x.device)
         work = _all_gather(both, mine, group=group, async_op=True)
@@ -284,7 +363,7 @@ def all_reduce(tensor, group, rank: int, world: int, w: GradWire):
             into = _fp32_view(tensor)
             acc = torch.empty(n, dtype=torch.float32, device=x.device) if into is None else into
             for r in range(2):
-                wire_ops.decode_(both[r * size:r * size + wire.nbytes(n, w.bits)], n, w.bits, acc, accumulate=r > 0)
+                wire_ops.decode_(both[r * size:r * size + used], n, w.bits, acc, accumulate=r > 0)
             if into is None:
                 tensor.copy_(acc.view_as(tensor))
         return Then(work, finish)

@@ -1,7 +1,7 @@
 """What a collective hands back, written down (Work), the four handles zerokern makes besides
 torch's own Works, and the bounded wait they share. A leaf of comm/: the quantized collectives
-(wire.py), the quantized param gathers (params/wire_gather.py), the collective check and the
-ordered workers use them without importing the Comm classes.
+of grads and params (wire.py), the collective check and the ordered workers use them without
+importing the Comm classes.
 
 [Note: one handle protocol] Every handle is one of four, combined rather than written anew per
 collective (issue 48: nine hand-made ones had drifted apart in how they waited and raised):
@@ -113,7 +113,10 @@ class AllOf:
 
     def wait_for(self, seconds) -> bool:
         deadline = time.monotonic() + seconds
-        return all(finished(w, deadline - time.monotonic()) for w in self.works)
+        for w in self.works:
+            if not finished(w, deadline - time.monotonic()):
+                return False
+        return True
 
 
 class Pending:
@@ -173,6 +176,12 @@ class Pending:
 HANDLES = (Done, Then, AllOf, Pending)
 
 
+def read_of(work) -> Optional[Work]:
+    """Done once `work` no longer reads its input: a handle's `read` ([Note: reading the input] in
+    comm/hybrid.py), None where only its end can say (torch's Works, most handles)."""
+    return work.read if isinstance(work, HANDLES) else None
+
+
 @functools.lru_cache(maxsize=8)
 def _delta(seconds) -> timedelta:
     """(The check's poll interval is made once, not at every wait.)"""
@@ -193,6 +202,3 @@ def finished(work, seconds) -> bool:
                 return False
             raise
     return True  # done when returned (an object all-gather)
-
-
-_Done = Done  # (the name tests/zero/params/test_wire_gather.py imports)

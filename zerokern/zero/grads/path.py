@@ -25,6 +25,7 @@ with local grads: stage 1 here; none at stage 0).
 import torch
 
 from ..comm.wire import GradWire
+from ..comm.works import read_of
 from ..core.stage import GradMode, Strategy
 from ..core.states import BucketState
 from .bucket import GradBucket
@@ -160,8 +161,11 @@ class ReleasedGrads(MemberGrads):
         else its end); the reduction may run on, and settle() ends it."""
         if bucket.state is not BucketState.IN_FLIGHT:
             return  # settled already (re-launched since, or waited for): as settle(), nothing to give
-        if not bucket.input_read():
+        read = read_of(bucket.work)  # None: only the reduction's end can say
+        if read is None:
             bucket.wait()
+        else:
+            bucket.comm.wait(read)
         if bucket.full is not None:
             self._give_back(bucket)
 

@@ -156,16 +156,6 @@ class ReleasingGradBucket(GradBucket):
         self.state = BucketState.IN_FLIGHT
         self.overflow = None  # the shard changes: a flag agreed before no longer holds
 
-    def input_read(self) -> bool:
-        """IN_FLIGHT: waits until the reduction no longer reads the full buffer, if its Work can say
-        so (hybrid sharding's first hop: [Note: reading the input] in comm/hybrid.py); False where
-        only the whole reduction's end can. The reduction may still run: wait() ends it."""
-        read = getattr(self.work, "read", None)  # (a Work-like without it, or None: cannot say)
-        if read is None:
-            return False
-        self.comm.wait(read)
-        return True
-
     def wait(self) -> None:
         """IN_FLIGHT -> REDUCED: the average is added into the shard. The full buffer is scratch from
         now on; ReleasedGrads.settle gives it back."""

@@ -7,8 +7,48 @@ What differs between the stages is one value, `frees` (stage 3: params/policy.py
 the full buffer always has its storage and this rank's slice is a view of it, so SHARDED only
 means "the other ranks' slices are stale" (the update wrote this rank's); at stage 3 the slice is
 a tensor of its own and the buffer's storage exists only while GATHERING or GATHERED. With
-gather_precision="int8" a bucket's gather is its ParamWire's (params/wire_gather.py): the weights
-at stage 3, the update at stages 1/2, in int8, decoded by every rank into every slice.
+gather_precision="int8" a bucket's gather travels through its ParamWire (comm/wire.py, handed
+to the Comm's all_gather as `wire=`): the weights at stage 3, the update at stages 1/2, in int8,
+decoded by every rank into every slice.
+
+[Note: quantized param gathers] Each rank sends its slice of the bucket as blockwise int8 codes
+with an fp32 scale per 64 elements ([Note: the wire format] in kernels/wire.py): one uint8
+all-gather of one contiguous chunk per rank, nbytes(n) = n + 4 ceil(n / 64) bytes for a slice
+of n elements (rounded up to a multiple of 4, so each chunk's scales can be read as fp32 in
+place), against 4n for fp32 params (3.76x fewer) and 2n for bf16 (1.88x). Every rank, the owner
+of a slice too, writes that slice from the decoded bytes alone, so every rank computes with
+bit-identical params: the same bytes, decoded and added by the same ops.
+- Stage 3 (ParamWire.adds False): what is sent is the owner's slice itself (ZeRO++'s qwZ). The
+  slices (the fp32 masters, or the 16-bit params the update writes next to theirs) stay exact;
+  only the gathered copy that forward and backward compute with is quantized, freed after.
+- Stages 1/2 (adds True): the model's full params are the gathered copy, kept between steps,
+  so the owner sends the update: delta = master - held, the exact fp32 master minus the value
+  every rank holds for the slice (the owner's own slice of the full buffer: held values, never
+  the master), and every rank adds decode(delta) to its copy. What one gather's rounding lost is
+  in the next delta, so the held params never drift from the master by more than one gather's
+  rounding: |master - held| < scale + one rounding of the add, scale = (absmax of the delta's
+  block) / 127, per element (tests/zero/params/test_wire_gather.py checks it over hundreds of steps). The
+  stores keep the master apart from the params for this (ShardStore's `holds_gathered`).
+The rounding is stochastic, as encode_ does it: unbiased (E[decode] = the value sent), so a
+param that moves by less than a step between gathers still moves on average, where rounding to
+nearest would pin it. It is keyed ([Note: reproducible rounding] in kernels/lowbit.py) by the
+bucket's name, the slice's place in it and `count`, the count of updates of the slices: at
+stage 3 the gathers of one step (forward, backward, a checkpoint's recompute) give the same
+bytes, so backward computes with the weights forward used, and a rerun gives the same bytes.
+`count` is not in checkpoints: a resumed run's gathers start from 0 again, so they round with
+other bits than the run that never stopped (docs/usage.md says so; the masters load exactly).
+A non-finite value in a block makes its scale NaN: every element of that block decodes to NaN on
+every rank (a step with an inf/nan update shows on every rank's params, as an exact gather's
+would; it is never clamped to a finite value). At stages 1/2 the block's held params then stay
+NaN (each delta is NaN there) until new weights are loaded: a model.load_state_dict() writes the
+params in place, and the master re-reads them ([Note: in-place weights] in unit.py; so does a
+load of the model's own values, which loses the master's last sub-step rounding once).
+With a mesh the param gathers stay inside a host and are never quantized ([Note: hybrid
+sharding] in comm/hybrid.py: only the hop between hosts is, and param gathers never take it). A
+(1, N) mesh is one flat group (comm/factory.py), quantized as without a mesh.
+The bytes of a gather are made when it is launched and dropped once it is decoded (world x
+nbytes(n)), so memory_report() has nothing to count for them between steps; the masters that
+fp32 params now keep apart are counted as master_params.
 
 [Note: gather behind forward] After the update each rank holds new values for its own slice of
 each bucket only; one all-gather per bucket brings the rest. By default step() waits for them
@@ -30,8 +70,23 @@ from typing import Dict, List
 
 import torch
 
+from ..comm.wire import ParamWire
 from ..core.states import ParamState
-from .wire_gather import param_wire
+
+
+def quantizes(precision, comm) -> bool:
+    """Do the param gathers over `comm` travel in `precision`? Not with a mesh: its gathers stay
+    inside a host, whose hop stays full precision ([Note: quantized param gathers])."""
+    return precision is not None and comm.distributed and comm.shards is comm
+
+
+def param_wire(precision, comm, flat, b: int, adds: bool):
+    """Bucket b's ParamWire, or None where its gathers travel as they are. adds: the gathers send
+    each update (stages 1/2), not the weights (stage 3)."""
+    if not quantizes(precision, comm):
+        return None
+    return ParamWire(precision, flat.buckets[b].name, flat.layout.buckets[b].shard_numel, comm.rank, comm.world_size,
+                     adds)
 
 
 class BucketParams:
@@ -40,8 +95,8 @@ class BucketParams:
     def __init__(self, flat, b: int, comm, frees: bool, counter=None, wire=None, master=None):
         """frees: the buffer's storage exists only while gathered (stage 3; flat.param_shards then
         holds this rank's slice). counter: what adds up the gathered bytes (Stage3Runtime), or None.
-        wire: a ParamWire where the gathers travel in int8 ([Note: quantized param gathers] in
-        params/wire_gather.py); master: then, at stages 1/2, the store's exact fp32 master of this
+        wire: a ParamWire (comm/wire.py) where the gathers travel in int8 ([Note: quantized param
+        gathers]); master: then, at stages 1/2, the store's exact fp32 master of this
         rank's slice, whose difference from the held params is what is sent."""
         self.flat, self.b, self.comm, self.frees, self.counter = flat, b, comm, frees, counter
         self.wire, self.master = wire, master
@@ -68,8 +123,12 @@ class BucketParams:
             self._count(nbytes)
         name = f"all_gather[{f.buckets[self.b].name}]"
         if self.wire is not None:  # every rank's slice from its int8 bytes, this rank's too
-            self._work = (self.wire.gather_weights(self.comm, buf, f.param_shards[self.b], name) if self.frees
-                          else self.wire.gather_delta(self.comm, buf, self.master, name))
+            if self.frees:  # the weights
+                sent = f.param_shards[self.b].to(torch.float32)
+            else:  # the update: the exact master minus what every rank holds for the slice
+                held = buf[self._range[0]:self._range[1]]
+                sent = self.master.to(device=buf.device, dtype=torch.float32) - held.to(torch.float32)
+            self._work = self.comm.all_gather(buf, sent, name=name, wire=self.wire)
         else:
             if self.frees:
                 mine = buf[self._range[0]:self._range[1]]
@@ -93,7 +152,8 @@ class BucketParams:
         """-> SHARDED: only this rank's slice is current (the update is about to write it, or at
         stage 3 the unit is done with its params), and with `frees` the buffer's storage goes. A
         gather in flight is waited for first: it writes the buffer, and every rank launched it."""
-        self.wait()
+        if self.state is ParamState.GATHERING:
+            self.wait()
         if self.state is not ParamState.GATHERED:
             return
         if self.frees:
@@ -116,13 +176,13 @@ class GatherAfterStep:
         """stores: the ShardStores in the order the next forward uses them (the reverse of backward's);
         none where nothing is gathered (one rank, or stage 0). overlap: overlap_param_gather (the
         gathers are waited for by the next forward's hooks, not at once). precision: "int8" where
-        the gathers send each update quantized ([Note: quantized param gathers] in
-        params/wire_gather.py; the stores then hold the masters apart from the params), else None."""
+        the gathers send each update quantized ([Note: quantized param gathers]; the
+        stores then hold the masters apart from the params), else None."""
         self.comm = comm
         self.stores = stores
         self.overlap = overlap
-        self.buckets = [BucketParams(s.flat, s.b, comm, frees=False, wire=param_wire(precision, comm, s.flat, s.b),
-                                     master=s.master) for s in stores]
+        self.buckets = [BucketParams(s.flat, s.b, comm, frees=False, master=s.master,
+                                     wire=param_wire(precision, comm, s.flat, s.b, adds=True)) for s in stores]
         self._pending = 0  # buckets in GATHERING: 0 makes every hook return at once
 
     @property
@@ -135,7 +195,7 @@ class GatherAfterStep:
         for bp in self.buckets:
             bp.release()
             if bp.wire is not None:
-                bp.wire.updates += 1  # a new key for the rounding of each update
+                bp.wire.count += 1  # a new key for the rounding of each update
             bp.launch()
         self._pending = len(self.buckets) if self.overlap else 0  # overlap: the next forward's hooks wait
         if not self.overlap:

@@ -42,8 +42,7 @@ import torch.utils._pytree as pytree
 from torch.autograd.graph import register_multi_grad_hook
 
 from . import model_state
-from .gather import BucketParams
-from .wire_gather import param_wire
+from .gather import BucketParams, param_wire
 from ..core.states import ParamState
 
 
@@ -153,8 +152,9 @@ class UnitParams:
             self.comm.wait(w)
         for f in self.flats:
             f.shard_params()
+            precision = self.unit.config.gather_precision
             self.buckets += [BucketParams(f, b, self.comm, frees=True, counter=self.runtime,
-                                          wire=param_wire(self.unit.config.gather_precision, self.comm, f, b))
+                                          wire=param_wire(precision, self.comm, f, b, adds=False))
                              for b in range(len(f.param_bufs.buffers))]
         self.reshard()
 
@@ -206,7 +206,7 @@ class UnitParams:
         param gathers]; the gathers of one step give the same bytes)."""
         for bp in self.buckets:
             if bp.wire is not None:
-                bp.wire.updates += 1
+                bp.wire.count += 1
 
     def nbytes(self) -> int:
         """Bytes of param memory this rank holds now: its slices (unless on disk) and any full buffer."""

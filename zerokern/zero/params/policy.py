@@ -15,11 +15,10 @@ import torch
 
 from ..core.errors import fields_of, which_differ
 from ..core.stage import ParamMode, Strategy
-from .gather import GatherAfterStep
+from .gather import GatherAfterStep, quantizes
 from .generate import sync_generate
 from .materialize import in_scope
 from .per_unit import add_foreign_use, joined
-from .wire_gather import quantizes
 
 
 def param_policy(strategy: Strategy):
@@ -82,7 +81,7 @@ class WholeParams:
     def holds_gathered(self, comm, precision) -> bool:
         """Do the model's params hold what quantized gathers gave rather than the masters? Then
         the stores keep an fp32 master apart from the param shard, the fp32 params' too
-        ([Note: quantized param gathers] in params/wire_gather.py). Stages 1/2 on several ranks."""
+        ([Note: quantized param gathers] in params/gather.py). Stages 1/2 on several ranks."""
         return self.gathers_after_step and quantizes(precision, comm)
 
     def after_step_gather(self, comm, stores, overlap: bool, precision=None) -> GatherAfterStep:

@@ -12,7 +12,7 @@ reduced grad is staged to the CPU before the update and the new param shard
 is copied back after it (operands() / finish()).
 
 With quantized param gathers at stages 1/2 (`holds_gathered`, [Note: quantized param gathers]
-in params/wire_gather.py) the param shard holds what every rank reconstructed from the gathers,
+in params/gather.py) the param shard holds what every rank reconstructed from the gathers,
 within one int8 step of the master, so the master is always a tensor of its own (fp32 params
 too: counted as master_params) and the update writes only the master; the gather after it sends
 master - params and writes the params of every rank, this one's too.

@@ -21,7 +21,8 @@ Measured:
   counted at the Comm (zerokern's Comm keeps no byte counter of its own, so the bench wraps its
   reduce_scatter / all_gather / all_reduce / broadcast): the full buffer's bytes per collective,
   and the bytes a ring sends per rank ((N-1)/N of it for reduce-scatter and all-gather, 2(N-1)/N
-  for all-reduce). Validated first: both variants' counts against the padded layout's size.
+  for all-reduce). Beside them, the layout's padded elements (padded_elements_seen): a bucket's
+  reduction and gather each move its padded size, so the two variants' bytes differ by padding.
 - Newton-Schulz: each rank's matrices (those whose momentum it holds whole) and their cost
   max(m,n) min(m,n)^2, max/mean over the ranks; opt.matrices_stepped summed over the ranks against
   48 per step.

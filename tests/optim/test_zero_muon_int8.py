@@ -83,9 +83,10 @@ def _train(model, opt, batches):
         opt.step()
 
 
-def _zero(model, precision="int8", **sharding):
-    return zerokern.ZeroOptimizer(_groups(model, precision), torch.optim.AdamW, bucket_cap_mb=1e-3, **ADAMW,
-                                  **sharding)
+def _zero(model, precision="int8", stage=2, **more):
+    """ZeroOptimizer, Muon (int8 or fp32 momentum) + AdamW; stage None: the model's shard() units'."""
+    sharding = {} if stage is None else {"zero_stage": stage, "bucket_cap_mb": 1e-3}
+    return zerokern.ZeroOptimizer(_groups(model, precision), torch.optim.AdamW, **ADAMW, **sharding, **more)
 
 
 # --- the codec ------------------------------------------------------------------------------------
@@ -119,27 +120,40 @@ def test_rows_round_within_half_a_gap_of_their_own_blocks(shape):
 
 # --- one process ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("adamw_too", [True, False])
 def test_one_process_is_muon_with_its_momentum_rounded(stage, adamw_too):
     ref = _model()
+    if not adamw_too:  # Muon the only class (one inner optimizer), state_precision given as its option
+        for layer in ref:
+            if isinstance(layer, nn.Linear) and layer.bias is not None:
+                layer.bias.requires_grad_(False)
     model = copy.deepcopy(ref)
+    sharding = {"zero_stage": stage, "bucket_cap_mb": 1e-3}
+    if stage == 3:  # params gathered in the forward hooks of the modules that own them
+        for m in model:
+            if isinstance(m, nn.Linear):
+                zerokern.shard(m, stage=3, bucket_cap_mb=1e-4)
+        zerokern.shard(model, stage=3, bucket_cap_mb=1e-4)
+        sharding = {}
     if adamw_too:
-        ref_opt, opt = _Oracle(ref), _zero(model, zero_stage=stage)
-    else:  # Muon the only class (one inner optimizer), state_precision given as its option
-        for m in (ref, model):
-            for layer in m:
-                if isinstance(layer, nn.Linear) and layer.bias is not None:
-                    layer.bias.requires_grad_(False)
+        ref_opt, opt = _Oracle(ref), _zero(model, stage=None if stage == 3 else stage)
+    else:
         ref_opt = _Oracle(ref)
-        opt = zerokern.ZeroOptimizer(_split(model)[0], torch.optim.Muon, zero_stage=stage, state_precision="int8",
-                                     **MUON)
+        opt = zerokern.ZeroOptimizer(_split(model)[0], torch.optim.Muon, state_precision="int8", **sharding, **MUON)
+    # at most one matrix's fp32 momentum while torch's Muon steps, and only the one it steps
+    muon = next(o for o in getattr(opt.inner, "optimizers", [opt.inner]) if isinstance(o, torch.optim.Muon))
+    seen = []
+    muon.register_step_pre_hook(lambda o, *_: seen.append(
+        [p for g in o.param_groups for p in g["params"] if "momentum_buffer" in o.state[p] or p.grad is not None]))
     batches = _batches()
     _train(ref, ref_opt, batches)
     _train(model, opt, batches)
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p, q)
     assert opt.matrices_stepped == 3 * STEPS
+    stepped = [s for s in seen if s]
+    assert len(stepped) == 3 * STEPS and all(len(s) == 1 for s in stepped), [len(s) for s in seen]
     for p in _split(model)[0]:
         st = opt.state[p]
         assert set(st) == {CODES, SCALES} and st[CODES].dtype == torch.uint8, "no fp32 momentum between steps"
@@ -180,7 +194,7 @@ def test_within_a_derived_bound_of_fp32_momentum():
 
 def test_state_dict_is_torch_layout_both_ways():
     model = _model()
-    opt = _zero(model, zero_stage=2)
+    opt = _zero(model, stage=2)
     batches = _batches(4)
     _train(model, opt, batches[:2])
     sd = opt.state_dict()
@@ -197,7 +211,7 @@ def test_state_dict_is_torch_layout_both_ways():
                               "param_groups": [{**sd["param_groups"][0], "params": list(range(len(hidden)))}]})
     # a new int8 ZeroOptimizer loads it to the same codes and scales, and steps on to the same bits
     again = copy.deepcopy(model)
-    again_opt = _zero(again, zero_stage=2)
+    again_opt = _zero(again, stage=2)
     again_opt.load_state_dict(copy.deepcopy(sd))
     for p, q in zip(hidden, _split(again)[0]):
         for key in (CODES, SCALES):
@@ -210,7 +224,7 @@ def test_state_dict_is_torch_layout_both_ways():
     for p in hidden:
         theirs["state"][index[p]]["momentum_buffer"] *= 1.37
     fresh_model = copy.deepcopy(model)
-    fresh = _zero(fresh_model, zero_stage=2)
+    fresh = _zero(fresh_model, stage=2)
     fresh.load_state_dict(theirs)
     for p, q in zip(hidden, _split(fresh_model)[0]):
         codes, scales = encode_rows(theirs["state"][index[p]]["momentum_buffer"])
@@ -259,9 +273,9 @@ def _two_ranks(rank, world, stage):
     the oracle's bits."""
     ref = _model()
     model = copy.deepcopy(ref)
-    ref_opt, opt = _Oracle(ref), _zero(model, zero_stage=stage)
+    ref_opt, opt = _Oracle(ref), _zero(model, stage=stage)
     other = copy.deepcopy(ref)
-    fp32 = _zero(other, precision=None, zero_stage=stage)
+    fp32 = _zero(other, precision=None, stage=stage)
     batches = _batches()
     _train(ref, ref_opt, batches)
     _train(model, opt, batches)
@@ -273,7 +287,7 @@ def _two_ranks(rank, world, stage):
     moms = [sd["state"][index[p]]["momentum_buffer"] for p in hidden]
     ref_moms = [ref_opt.muon.state[q]["momentum_buffer"] for q in _split(ref)[0]]
     again = copy.deepcopy(model)
-    again_opt = _zero(again, zero_stage=stage)
+    again_opt = _zero(again, stage=stage)
     again_opt.load_state_dict(sd)
     reloaded = all(torch.equal(opt.state[p][k], again_opt.state[q][k]) for p, q in zip(hidden, _split(again)[0])
                    for k in opt.state[p])

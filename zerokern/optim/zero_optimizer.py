@@ -84,7 +84,10 @@ class ZeroOptimizer(EngineOptimizer):
 
     Trains params with optimizer_class(**defaults) on this rank's fp32 shards (see the module
     docstring); a param group may name its own class under "optimizer" ([Note: mixed groups]). The sharding options and the .grad rules are FusedZeroAdam's. elementwise=True
-    vouches for an optimizer class not known here to update each element on its own."""
+    vouches for an optimizer class not known here to update each element on its own. A Muon
+    group with "state_precision": "int8" (or state_precision="int8" where Muon is the default
+    class) keeps its momentum in int8 blocks ([Note: int8 momentum of whole matrices] in
+    optim/lowbit_momentum.py)."""
 
     def __init__(self, params, optimizer_class, *, max_grad_norm=None, elementwise=None, **kwargs):
         if max_grad_norm is not None and not 0 < float(max_grad_norm) < float("inf"):

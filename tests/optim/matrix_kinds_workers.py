@@ -86,22 +86,29 @@ def same_batch(rank, world, scenario, cases):
     out = []
     for stage, mesh, dtype, how in cases:
         model, opt = _built(scenario, stage, mesh, dtype, how)
-        ref = U._net(dtype)
-        ref_opt = _Reference(scenario, ref)
-        for x in U._batches():
-            ref_opt.zero_grad()
-            ref(x).backward()
-            ref_opt.step()
-            opt.zero_grad()
-            model(x).backward()
-            opt.step()
-        full = zerokern.full_state_dict(model, rank0_only=False)
-        diff = max((full[n].float() - q.float()).abs().max().item() for n, q in ref.state_dict().items())
-        whole = sum(k is not None for k in _kinds(scenario, ref).values())
+        diff, full, whole = against_reference(scenario, model, opt, dtype)
         group = dist.get_process_group_ranks(opt.engine.comm.group)
         out.append((diff, opt.matrices_stepped, whole, {n: v.clone() for n, v in full.items()}, group))
         del opt, model
     return out
+
+
+def against_reference(scenario, model, opt, dtype):
+    """STEPS steps of model and opt beside one-process torch optimizers on the same batches:
+    (max |param - reference| over the full state dict, the full state dict, how many params the
+    optimizer steps whole)."""
+    ref = U._net(dtype)
+    ref_opt = _Reference(scenario, ref)
+    for x in U._batches():
+        ref_opt.zero_grad()
+        ref(x).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        model(x).backward()
+        opt.step()
+    full = zerokern.full_state_dict(model, rank0_only=False)
+    diff = max((full[n].float() - q.float()).abs().max().item() for n, q in ref.state_dict().items())
+    return diff, full, sum(k is not None for k in _kinds(scenario, ref).values())
 
 
 def refused(rank, world, scenario, which):

@@ -25,6 +25,16 @@ def test_muon_adafactor_and_adamw_on_two_ranks_are_one_process_torch(stage, how)
     K.check(dist_harness.values(dist_harness.run(K.same_batch, 2, "mixed", cases, timeout=300)), cases, 2, 2)
 
 
+@pytest.mark.parametrize("stage, how", [(2, "optimizer"), (3, "dict")])
+def test_one_process_is_torch_muon_adafactor_and_adamw(stage, how):
+    """On one shard every param is whole in any layout; the three classes still run as their own
+    torch optimizers (InnerSet), each param stepped by its own."""
+    model, opt = K._built("mixed", stage, None, torch.float32, how)
+    diff, _, whole = K.against_reference("mixed", model, opt, torch.float32)
+    assert diff == 0.0, f"params {diff} from one-process torch"
+    assert opt.matrices_stepped == K.U.STEPS * whole
+
+
 def test_units_that_lay_a_param_out_by_the_other_class_are_refused_on_every_rank():
     """Rank 1 lays blocks.0.up.weight (Muon's) out as Adafactor's: every rank raises, listing each
     rank's param kinds, before any collective could pair with another size."""

@@ -209,7 +209,7 @@ class ZeroOptimizer(EngineOptimizer):
         """The WholeMatrices the layout must keep whole (None: none), after
         checking every matrix class's param group ([Note: whole matrices on their owners])."""
         index = {p: k for k, p in enumerate(p for g in self.param_groups for p in g["params"])}
-        found, costs = [], []  # each param with its own class's cost ([Note: a cost per param])
+        found, costs = [], []  # each param with its class's cost ([Note: a cost per param])
         for gi, (g, cls) in enumerate(zip(self.param_groups, self._classes)):
             why = self._why.get(cls)
             if why is None:

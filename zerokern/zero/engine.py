@@ -335,8 +335,7 @@ class ZeroEngine:
 def _check_units_hold(units, matrices, what):
     """[Note: whole matrices in units]: every param of `matrices` in a unit whose layout splits it
     over several shards was laid out whole by it (zerokern.shard(matrices=...)), with its own
-    optimizer's cost ([Note: a cost per param] in
-    core/whole_matrices.py), or raise naming it."""
+    optimizer's cost ([Note: a cost per param] in core/whole_matrices.py), or raise naming it."""
     fix = ("Pass matrices= to every zerokern.shard() call (the Muon groups' params, {param: \"muon\" | \"adafactor\"} "
            "for each group's class, or fn(name, param) -> \"muon\" | \"adafactor\" | None)")
     for u in units:

@@ -19,9 +19,10 @@ pytestmark = pytest.mark.skipif(not (hasattr(torch.optim, "Muon") and hasattr(to
                                 reason="torch.optim.Muon is torch 2.9+")
 
 
-@pytest.mark.parametrize("stage, how", [(2, "optimizer"), (2, "dict"), (3, "dict"), (3, "predicate")])
-def test_muon_adafactor_and_adamw_on_two_ranks_are_one_process_torch(stage, how):
-    cases = [(stage, None, torch.float32, how)]
+@pytest.mark.parametrize("stage, how, dtype", [(2, "optimizer", torch.float32), (2, "dict", torch.float32),
+                                               (3, "dict", torch.float32), (3, "predicate", torch.bfloat16)])
+def test_muon_adafactor_and_adamw_on_two_ranks_are_one_process_torch(stage, how, dtype):
+    cases = [(stage, None, dtype, how)]
     K.check(dist_harness.values(dist_harness.run(K.same_batch, 2, "mixed", cases, timeout=300)), cases, 2, 2)
 
 

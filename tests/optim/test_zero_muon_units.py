@@ -114,7 +114,7 @@ def test_shard_refuses_matrices_that_are_not_2d_by_name():
     with pytest.raises(ValueError, match=r"zerokern.shard\(matrices=...\): up.bias has shape \[21\]; a matrix "
                                          r"optimizer \(torch.optim.Muon\) steps 2-D params only"):
         zerokern.shard(model.blocks[0], stage=2, matrices=lambda name, p: name.startswith("up"))
-    with pytest.raises(TypeError, match=r"takes an iterable of params or fn\(name, param\) -> bool, got one tensor"):
+    with pytest.raises(TypeError, match=r"takes an iterable of params, .* or fn\(name, param\) -> .*, got one tensor"):
         zerokern.shard(model.blocks[0], stage=2, matrices=model.blocks[0].up.weight)
     assert not isinstance(model.blocks[0], zerokern.zero.api.ZeroModule), "refused before the unit was made"
 

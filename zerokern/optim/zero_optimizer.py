@@ -220,7 +220,7 @@ class ZeroOptimizer(EngineOptimizer):
         """The WholeMatrices the layout must keep whole (None: none), after
         checking every matrix class's param group ([Note: whole matrices on their owners])."""
         index = {p: k for k, p in enumerate(p for g in self.param_groups for p in g["params"])}
-        found, cost = [], None
+        found, costs = [], []  # each param with its class's cost ([Note: a cost per param])
         for gi, (g, cls) in enumerate(zip(self.param_groups, self._classes)):
             why = self._why.get(cls)
             if why is None:
@@ -229,15 +229,11 @@ class ZeroOptimizer(EngineOptimizer):
                 what = "the 2-D hidden weights" if cls.__name__ == "Muon" else "its params"
                 raise ValueError(f"ZeroOptimizer: param group {gi} ({cls.__name__}) has no params; give it {what}, "
                                  "or leave the group out")
-            if cost not in (None, _WHOLE_MATRIX[cls.__name__]):
-                raise ValueError(f"ZeroOptimizer: param group {gi} ({cls.__name__}) beside a group of another "
-                                 "whole-tensor class: the matrix layout balances one cost (Muon's or Adafactor's), "
-                                 "so one ZeroOptimizer takes groups of one of them; give the others AdamW")
             mine = [(index[p], p) for p in g["params"] if p.requires_grad]
             whole_state.check_whole_matrices(cls.__name__, why, mine, names, sharding, cls.__name__ == "Muon")
             found += [p for _, p in mine]
-            cost = _WHOLE_MATRIX[cls.__name__]
-        return WholeMatrices.of(cost, found) if found else None
+            costs += [_WHOLE_MATRIX[cls.__name__]] * len(mine)
+        return WholeMatrices.of(costs, found, [names.get(p, f"params[{index[p]}]") for p in found]) if found else None
 
     def _members(self, names):
         """Per whole-tensor param group, its params by name (or index) and shape: in the options the

@@ -124,12 +124,13 @@ def _batches():
     return [torch.randint(0, 11, (8, 5), generator=g) for _ in range(STEPS)]
 
 
-def same_batch(rank, world, cases):
+def same_batch(rank, world, cases, split=False):
     """cases: [(stage, mesh, dtype, how)] (how: _built's); on 4 ranks without a mesh the model is
-    wide. Per
-    case: (max |param - reference| over the full state dict, matrices this rank stepped, how many
-    it owns, its full state dict, the ranks of its shard group, the largest momentum difference
-    from the reference's in the state dict, how many matrices the model has)."""
+    wide. split: each rank trains on its own share of every batch (rank r the r-th of world equal
+    row blocks: the mean of the ranks' means is the whole batch's), the reference on the whole
+    batch. Per case: (max |param - reference| over the full state dict, matrices this rank
+    stepped, how many it owns, its full state dict, the ranks of its shard group, the largest
+    momentum difference from the reference's in the state dict, how many matrices the model has)."""
     out = []
     for stage, mesh, dtype, how in cases:
         wide = world == 4 and mesh is None
@@ -138,12 +139,13 @@ def same_batch(rank, world, cases):
         if how == "meta":  # the values shard() initialised (rank 0's, broadcast)
             ref.load_state_dict(zerokern.full_state_dict(model, rank0_only=False))
         ref_opt = _Reference(ref)
+        share = len(_batches()[0]) // world
         for x in _batches():
             ref_opt.zero_grad()
             ref(x).backward()
             ref_opt.step()
             opt.zero_grad()
-            model(x).backward()
+            model(x[rank * share:(rank + 1) * share] if split else x).backward()
             opt.step()
         full = zerokern.full_state_dict(model, rank0_only=False)
         diff = max((full[n].float() - q.float()).abs().max().item() for n, q in ref.state_dict().items())

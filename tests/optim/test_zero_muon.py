@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 import dist_harness
+import matrix_helpers as H
 import zerokern
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon is torch 2.9+")
@@ -29,36 +30,16 @@ def _model():
                          nn.Linear(5, 5, bias=False))
 
 
-def _batches():
-    g = torch.Generator().manual_seed(4)
-    return [torch.randn(16, 7, generator=g) for _ in range(STEPS)]
-
-
-def _train(model, opt, batches):
-    for x in batches:
-        opt.zero_grad()
-        model(x).square().mean().backward()
-        opt.step()
-
-
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("options", OPTIONS)
 def test_muon_on_one_process_is_torch_muon_bit_for_bit(stage, options):
     ref = _model()
     ref_opt = torch.optim.Muon(ref.parameters(), **options)
     model = copy.deepcopy(ref)
-    if stage == 3:  # params gathered in the forward hooks of the modules that own them
-        for m in model:
-            if isinstance(m, nn.Linear):
-                zerokern.shard(m, stage=3, bucket_cap_mb=1e-4)
-        zerokern.shard(model, stage=3, bucket_cap_mb=1e-4)
-        opt = zerokern.ZeroOptimizer(model.parameters(), torch.optim.Muon, **options)
-    else:
-        opt = zerokern.ZeroOptimizer(model.parameters(), torch.optim.Muon, zero_stage=stage, bucket_cap_mb=1e-4,
-                                     **options)
-    batches = _batches()
-    _train(ref, ref_opt, batches)
-    _train(model, opt, batches)
+    opt = H.one_process(model, torch.optim.Muon, stage, **options)
+    batches = H.batches(STEPS)
+    H.train(ref, ref_opt, batches)
+    H.train(model, opt, batches)
     held_out = torch.randn(8, 7, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         assert torch.equal(model(held_out), ref(held_out)), "the trained params, as the forward sees them"
@@ -76,10 +57,10 @@ def test_muon_on_one_process_is_torch_muon_bit_for_bit(stage, options):
 def test_state_dicts_cross_between_torch_muon_and_zero_optimizer():
     """torch.optim.Muon loads ZeroOptimizer's state dict and ZeroOptimizer loads torch's: both
     then take the same next steps as the run that was not interrupted."""
-    batches = _batches()
+    batches = H.batches(STEPS)
     ref = _model()
     ref_opt = torch.optim.Muon(ref.parameters(), lr=0.02)
-    _train(ref, ref_opt, batches[:3])
+    H.train(ref, ref_opt, batches[:3])
     model = copy.deepcopy(ref)
     opt = zerokern.ZeroOptimizer(model.parameters(), torch.optim.Muon, zero_stage=1, lr=0.02)
     opt.load_state_dict(ref_opt.state_dict())  # torch's into zerokern's
@@ -88,7 +69,7 @@ def test_state_dicts_cross_between_torch_muon_and_zero_optimizer():
     # and zerokern's into torch's (a copy: torch keeps the tensors it is given, as between two torch optimizers)
     back_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
     for m, o in ((ref, ref_opt), (model, opt), (back, back_opt)):
-        _train(m, o, batches[3:])
+        H.train(m, o, batches[3:])
     for p, q, r in zip(model.parameters(), ref.parameters(), back.parameters()):
         assert torch.equal(p, q) and torch.equal(r, q)
 

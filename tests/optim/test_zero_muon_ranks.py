@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 import dist_harness
+import matrix_helpers as H
 import zerokern
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon is torch 2.9+")
@@ -60,29 +61,15 @@ class _nothing:
         return False
 
 
-class _Masters:
-    """torch.optim.Muon on fp32 masters of bf16 params, as zerokern keeps them: the step reads
-    the bf16 grads as fp32, the params are the masters rounded to nearest."""
+class _Masters(H.Masters):
+    """torch.optim.Muon on fp32 masters of bf16 params, as zerokern keeps them."""
 
     def __init__(self, model):
-        self.params = list(model.parameters())
-        self.masters = [p.detach().float().requires_grad_() for p in self.params]
-        self.opt = torch.optim.Muon(self.masters, **OPTIONS)
-
-    def zero_grad(self):
-        for p in self.params:
-            p.grad = None
-
-    @torch.no_grad()
-    def step(self):
-        for p, m in zip(self.params, self.masters):
-            m.grad = p.grad.float()
-        self.opt.step()
-        for p, m in zip(self.params, self.masters):
-            p.copy_(m)
+        super().__init__(model.parameters(), [{"params": list(model.parameters()), "optimizer": torch.optim.Muon,
+                                               **OPTIONS}])
 
     def state_dict(self):
-        return self.opt.state_dict()
+        return self.opts[0].state_dict()
 
 
 def _same_batch(rank, world, stage, dtype, accumulate):
@@ -186,15 +173,7 @@ def _mixed(rank, world, stage):
                                  zero_stage=stage, bucket_cap_mb=1e-3)
     g = torch.Generator().manual_seed(6)
     for _ in range(STEPS):
-        x = torch.randint(0, 11, (8, 5), generator=g)
-        for o in ref_opts:
-            o.zero_grad()
-        ref(x).square().mean().backward()
-        for o in ref_opts:
-            o.step()
-        opt.zero_grad()
-        model(x).square().mean().backward()
-        opt.step()
+        H.step_both(ref, ref_opts, model, opt, torch.randint(0, 11, (8, 5), generator=g))
     diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
     sd = opt.state_dict()
     classes = [grp["optimizer"] for grp in sd["param_groups"][:1]]

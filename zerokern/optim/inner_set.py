@@ -75,3 +75,11 @@ def make_initial_state(inner, pieces, make):
     """make (inner_state.make_initial_state) for each torch optimizer in `inner` (one, or an InnerSet)."""
     for o in getattr(inner, "optimizers", (inner,)):
         make(o, pieces)
+
+
+def slots(inner):
+    """Per param group of `inner` (one torch optimizer, or an InnerSet), (the torch optimizer that
+    holds it, the group's index there)."""
+    if isinstance(inner, InnerSet):
+        return list(inner._slots)
+    return [(inner, k) for k in range(len(inner.param_groups))]

@@ -15,14 +15,14 @@ step, on one rank, in torch's own code; the usual gather then brings every rank 
 opt.matrices_stepped counts the params this rank stepped whole. A Muon group takes 2-D params
 only (torch's Muon refuses others); an Adafactor group takes any shape, as torch's does (a 1-D
 param gets an unfactored variance), each whole on one owner, its cost its numel.
-zerokern.shard() units are laid out before the optimizer is known, so shard(matrices=...) names
-Muon's matrices there ([Note: whole matrices in units] in zero/core/whole_matrices.py): stage 3
-then steps the same way, the owner's slice of its bucket being the whole matrix. On a mesh the
-plan is the shard group's: each replica group has one owner per matrix, so NS runs once per
-matrix per replica (the replicas' updates are identical, as every update is under hybrid
-sharding). Not offered: state on disk (InnerStream steps chunks), Muon and Adafactor groups in
-one optimizer (the plan balances one cost), and Adafactor in shard() units on several processes
-(shard(matrices=...) plans Muon's cost over 2-D params).
+Muon and Adafactor groups may share one optimizer: each param is balanced by its own class's
+cost ([Note: a cost per param] in zero/core/whole_matrices.py). zerokern.shard() units are laid
+out before the optimizer is known, so shard(matrices=...) names the params and their classes'
+costs there ([Note: whole matrices in units]): stage 3 then steps the same way, the owner's slice
+of its bucket being the whole param. On a mesh the plan is the shard group's: each replica group
+has one owner per param, so NS runs once per matrix per replica (the replicas' updates are
+identical, as every update is under hybrid sharding). Not offered: state on disk (InnerStream
+steps chunks).
 
 [Note: whole state in checkpoints] The owner's state of a param (Muon's momentum_buffer,
 Adafactor's step, row_var and col_var, or variance) is torch's, the others' none. state_dict()

@@ -35,7 +35,7 @@ state in self.state[p] as views of the file ([Note: inner state on disk] in opti
 
 import torch
 
-from . import inner_set, inner_state, whole_state, wire_checkpoint
+from . import inner_set, inner_state, lowbit_momentum, whole_state, wire_checkpoint
 from .flat_runs import FlatRuns
 from .inner_set import InnerSet
 from .inner_stream import InnerStream
@@ -85,7 +85,10 @@ class ZeroOptimizer(EngineOptimizer):
 
     Trains params with optimizer_class(**defaults) on this rank's fp32 shards (see the module
     docstring); a param group may name its own class under "optimizer" ([Note: mixed groups]). The sharding options and the .grad rules are FusedZeroAdam's. elementwise=True
-    vouches for an optimizer class not known here to update each element on its own."""
+    vouches for an optimizer class not known here to update each element on its own. A Muon
+    group with "state_precision": "int8" (or state_precision="int8" where Muon is the default
+    class) keeps its momentum in int8 blocks ([Note: int8 momentum of whole matrices] in
+    optim/lowbit_momentum.py)."""
 
     def __init__(self, params, optimizer_class, *, max_grad_norm=None, elementwise=None, **kwargs):
         if max_grad_norm is not None and not 0 < float(max_grad_norm) < float("inf"):
@@ -93,13 +96,15 @@ class ZeroOptimizer(EngineOptimizer):
         sharding = {k: kwargs.pop(k) for k in _SHARDING if k in kwargs}
         self.optimizer_class, self.max_grad_norm = optimizer_class, max_grad_norm
         self._why = {}  # class -> why it reads whole tensors (None: elementwise)
+        precision = kwargs.pop(lowbit_momentum.OPTION, None)  # [Note: int8 momentum of whole matrices]
         defaults = self._checked_class(optimizer_class, elementwise, kwargs)
         groups = validated_groups(params)
         for gi, g in enumerate(groups):  # [Note: mixed groups]: a group's own class, and its defaults
             cls = g.get("optimizer", optimizer_class)
             if cls is not optimizer_class:
-                own = {k: v for k, v in g.items() if k not in ("params", "param_names", "optimizer")}
-                groups[gi] = {**self._checked_class(cls, elementwise, own, f"param group {gi}"), **g}
+                groups[gi] = {**self._checked_class(cls, elementwise, _keys(g), f"param group {gi}"), **g}
+        lowbit_momentum.checked_precisions(groups, [g.get("optimizer", optimizer_class) for g in groups],
+                                           optimizer_class, precision)
         self._constructing = True
         super().__init__(groups, defaults)
         self._constructing = False
@@ -114,7 +119,8 @@ class ZeroOptimizer(EngineOptimizer):
             raise ValueError("ZeroOptimizer: OffloadPolicy(device='nvme') streams one inner optimizer's state, and "
                              f"the param groups name {len(set(self._classes))} classes; use "
                              "OffloadPolicy(device='cpu') or none")
-        options = (optimizer_class.__name__, [c.__name__ for c in self._classes], kwargs, self._members(names))
+        options = (optimizer_class.__name__, [c.__name__ for c in self._classes], kwargs, self._members(names),
+                   [g.get(lowbit_momentum.OPTION) for g in self.param_groups])
         self.engine = ZeroEngine(self, [g["params"] for g in self.param_groups], names, state_keys=(),
                                  what="ZeroOptimizer", options=repr(options),
                                  disk_state_keys=[k for k, dt in elements.items() if dt == torch.float32],
@@ -154,6 +160,10 @@ class ZeroOptimizer(EngineOptimizer):
             self.inner = inner_classes[0](kept, **args[inner_classes[0]])
         else:  # [Note: mixed groups]
             self.inner = InnerSet([(c, args[c], g) for c, g in zip(inner_classes, kept)])
+        slots = inner_set.slots(self.inner)  # [Note: int8 momentum of whole matrices]: the matrices this rank owns
+        self._momentum = lowbit_momentum.Int8Momentum(
+            (*slots[k], self._piece[t]) for k, (gi, ts) in enumerate(zip(self._inner_groups, self._inner_ts))
+            if self.param_groups[gi].get(lowbit_momentum.OPTION) == "int8" for t in ts if self._where[t][2])
         # [Note: inner state before the first step] in optim/inner_state.py
         device = stores[0].master.device if stores else torch.device("cpu")
         late = [inner_state.late_keys(c, args[c], g, device, _probe(self._why.get(c)))
@@ -169,6 +179,7 @@ class ZeroOptimizer(EngineOptimizer):
             self._disk = InnerStream(self, stores[0].state_keys)
             self._disk.init_state()  # a piece at a time, each moved to disk at once
         else:
+            self._momentum.settle()  # codes, never an fp32 buffer
             inner_set.make_initial_state(self.inner, self._stepped(), inner_state.make_initial_state)
         # [Note: element-wise pieces as runs] in optim/flat_runs.py: torch's element-wise classes' groups
         runs = {} if self._disk is not None else {c: [] for c in inner_classes if c in _ELEMENTWISE}
@@ -222,7 +233,7 @@ class ZeroOptimizer(EngineOptimizer):
         """The WholeMatrices the layout must keep whole (None: none), after
         checking every matrix class's param group ([Note: whole matrices on their owners])."""
         index = {p: k for k, p in enumerate(p for g in self.param_groups for p in g["params"])}
-        found, cost = [], None
+        found, costs = [], []  # each param with its class's cost ([Note: a cost per param])
         for gi, (g, cls) in enumerate(zip(self.param_groups, self._classes)):
             why = self._why.get(cls)
             if why is None:
@@ -231,15 +242,11 @@ class ZeroOptimizer(EngineOptimizer):
                 what = "the 2-D hidden weights" if cls.__name__ == "Muon" else "its params"
                 raise ValueError(f"ZeroOptimizer: param group {gi} ({cls.__name__}) has no params; give it {what}, "
                                  "or leave the group out")
-            if cost not in (None, _WHOLE_MATRIX[cls.__name__]):
-                raise ValueError(f"ZeroOptimizer: param group {gi} ({cls.__name__}) beside a group of another "
-                                 "whole-tensor class: the matrix layout balances one cost (Muon's or Adafactor's), "
-                                 "so one ZeroOptimizer takes groups of one of them; give the others AdamW")
             mine = [(index[p], p) for p in g["params"] if p.requires_grad]
             whole_state.check_whole_matrices(cls.__name__, why, mine, names, sharding, cls.__name__ == "Muon")
             found += [p for _, p in mine]
-            cost = _WHOLE_MATRIX[cls.__name__]
-        return WholeMatrices.of(cost, found) if found else None
+            costs += [_WHOLE_MATRIX[cls.__name__]] * len(mine)
+        return WholeMatrices.of(costs, found, [names.get(p, f"params[{index[p]}]") for p in found]) if found else None
 
     def _members(self, names):
         """Per whole-tensor param group, its params by name (or index) and shape: in the options the
@@ -280,7 +287,7 @@ class ZeroOptimizer(EngineOptimizer):
             self.matrices_stepped += t in self._whole and had[t]
         for runs in self._runs:
             runs.step()
-        self.inner.step()
+        self._momentum.step(self.inner)  # self.inner.step(), int8 momenta decoded a matrix at a time
         for t in one_by_one:
             self._piece[t].grad = None
         for store, model in zip(stores, models):
@@ -309,11 +316,11 @@ class ZeroOptimizer(EngineOptimizer):
             piece = self._piece[t]
             st = inner_state.with_placeholders(self.inner.state[piece], self._late[t], piece, self._class_of(t),
                                                self._member(t)[1] or f"params[{index[p]}]")
+            st = lowbit_momentum.in_torch_layout(st)  # int8 momentum: torch's fp32 momentum_buffer
             # scalars copied: a run's pieces share theirs ([Note: element-wise pieces as runs]), and dcp.load
             # writes each entry in place
-            sd["state"][index[p]] = {k: v.clone() if isinstance(v, torch.Tensor) and v.dim() == 0 else v
-                                     for k, v in st.items()}
-            st = sd["state"][index[p]]
+            st = {k: v.clone() if isinstance(v, torch.Tensor) and v.dim() == 0 else v for k, v in st.items()}
+            sd["state"][index[p]] = st
             if not self.strategy.shards_state or t in self._whole:
                 continue
             _, _, n, start = self._where[t]
@@ -431,6 +438,7 @@ class ZeroOptimizer(EngineOptimizer):
             self.param_groups[gi].update(_keys(group))
         self.inner.load_state_dict({"state": inner_state_dict, "param_groups": groups})
         wire_checkpoint.restore(self, carried, counts)
+        self._momentum.settle()  # loaded int8 momenta encoded
         # the params the dict had none of
         inner_set.make_initial_state(self.inner, self._stepped(), inner_state.make_initial_state)
         for runs in self._runs:  # the pieces' state is new: bound to the runs again at the next step
@@ -450,8 +458,9 @@ class ZeroOptimizer(EngineOptimizer):
 
 
 def _keys(group):
-    """A param group's options, as its inner optimizer takes them ([Note: mixed groups]: not its class)."""
-    return {k: v for k, v in group.items() if k not in ("params", "param_names", "optimizer")}
+    """A param group's options, as its inner optimizer takes them ([Note: mixed groups]: not its class,
+    nor how zerokern keeps its state)."""
+    return {k: v for k, v in group.items() if k not in ("params", "param_names", "optimizer", lowbit_momentum.OPTION)}
 
 
 def _probe(why):

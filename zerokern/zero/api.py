@@ -17,6 +17,7 @@ params itself.
 
 import dataclasses
 import weakref
+from collections.abc import Mapping
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -28,7 +29,7 @@ from .comm.factory import comm_for
 from .state.lowbit_store import StatePolicy
 from .params.materialize import materialize
 from .core.stage import OffloadPolicy, ShardConfig
-from .core.whole_matrices import WholeMatrices
+from .core.whole_matrices import COSTS, WholeMatrices
 from .grads.path import grad_path
 from .params.policy import param_policy
 from .unit import ShardUnit, make_unit, unit_of
@@ -99,11 +100,13 @@ def shard(module: torch.nn.Module, *, stage: int = 2, process_group=None, bucket
     of the fp32 masters, which the optimizer then keeps apart from fp32 params too ([Note: quantized param
     gathers] in zero/params/gather.py). With a mesh the param gathers stay inside a host and full
     precision. The same on every shard() call.
-    matrices: the params a matrix optimizer (ZeroOptimizer's torch.optim.Muon groups) will step
-    whole, so on several ranks each is laid out whole in one rank's shard, owners balanced by
-    Newton-Schulz cost ([Note: whole matrices in units] in zero/core/whole_matrices.py): an iterable
-    of params (any superset, e.g. the whole Muon group on every call), or fn(name, param) -> bool
-    over the unit's own params (names as in this module; a meta module's params are new once
+    matrices: the params a matrix optimizer (ZeroOptimizer's torch.optim.Muon and
+    torch.optim.Adafactor groups) will step whole, so on several ranks each is laid out whole in
+    one rank's shard, owners balanced by each one's optimizer's cost ([Note: whole matrices in
+    units], [Note: a cost per param] in zero/core/whole_matrices.py): an iterable of params (Muon's;
+    any superset, e.g. the whole Muon group on every call), {param: "muon" | "adafactor"} (or the
+    torch.optim class), or fn(name, param) -> "muon" | "adafactor" | None over the unit's own
+    params (True means "muon"; names as in this module; a meta module's params are new once
     materialised, so name them this way)."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"shard() takes an nn.Module, got {type(module).__name__}")
@@ -212,27 +215,45 @@ def full_state_dict(model: torch.nn.Module, *, rank0_only: bool = True, device="
 
 
 def _matrices_of(matrices, params, names) -> WholeMatrices:
-    """shard(matrices=...): the WholeMatrices of the unit's own trainable params it names (an
-    iterable of params, or fn(name, param) -> bool), each checked to be 2-D."""
+    """shard(matrices=...): the WholeMatrices of the unit's own trainable params it names, each
+    with its cost kind ([Note: a cost per param] in core/whole_matrices.py): an iterable of params
+    (Muon's), {param: kind}, or fn(name, param) -> kind, a kind being "muon", "adafactor", the
+    class torch.optim.Muon or torch.optim.Adafactor, True ("muon"), or False/None (not whole).
+    A "muon" param must be 2-D (torch's Muon takes no other), named otherwise."""
+    def kind(value, name):
+        if value is True or (isinstance(value, str) and value in COSTS):
+            return "muon" if value is True else value
+        if isinstance(value, type) and value.__module__.startswith("torch.") and value.__name__.lower() in COSTS:
+            return value.__name__.lower()
+        if value is False or value is None:
+            return None
+        raise ValueError(f"zerokern.shard(matrices=...): {name} is given {value!r}; a param's entry is \"muon\" or "
+                         "\"adafactor\" (or torch.optim.Muon, torch.optim.Adafactor; True for Muon), the optimizer "
+                         "whose param group steps it whole, or False/None for a param stepped element-wise")
+
+    wanted = "an iterable of params, {param: \"muon\" | \"adafactor\"} or fn(name, param) -> \"muon\" | \"adafactor\""
+    trainable = [(p, n) for p, n in zip(params, names) if p.requires_grad]
     if callable(matrices):
-        chosen = [p for p, n in zip(params, names) if p.requires_grad and matrices(n, p)]
+        chosen = [(p, n, kind(matrices(n, p), n)) for p, n in trainable]
     elif isinstance(matrices, torch.Tensor):
-        raise TypeError("zerokern.shard(matrices=...) takes an iterable of params or fn(name, param) -> bool, got "
-                        "one tensor; wrap it in a list")
+        raise TypeError(f"zerokern.shard(matrices=...) takes {wanted}, got one tensor; wrap it in a list")
+    elif isinstance(matrices, Mapping):
+        given = {id(p): v for p, v in matrices.items()}
+        chosen = [(p, n, kind(given[id(p)], n)) for p, n in trainable if id(p) in given]
     else:
         try:
             given = {id(p) for p in matrices}
         except TypeError:
-            raise TypeError("zerokern.shard(matrices=...) takes an iterable of params or fn(name, param) -> bool, "
-                            f"got {type(matrices).__name__}") from None
-        chosen = [p for p in params if p.requires_grad and id(p) in given]
-    for p in chosen:
-        if p.dim() != 2:
-            name = names[next(k for k, q in enumerate(params) if q is p)]
-            raise ValueError(f"zerokern.shard(matrices=...): {name} has shape {list(p.shape)}; a matrix optimizer "
+            raise TypeError(f"zerokern.shard(matrices=...) takes {wanted}, got {type(matrices).__name__}") from None
+        chosen = [(p, n, "muon") for p, n in trainable if id(p) in given]
+    chosen = [(p, n, k) for p, n, k in chosen if k is not None]
+    for p, n, k in chosen:
+        if k == "muon" and p.dim() != 2:
+            raise ValueError(f"zerokern.shard(matrices=...): {n} has shape {list(p.shape)}; a matrix optimizer "
                              "(torch.optim.Muon) steps 2-D params only. Name the 2-D hidden weights only, and give "
-                             "the other params (embeddings, norms, biases) another optimizer")
-    return WholeMatrices.of("muon", chosen)
+                             "the other params (embeddings, norms, biases) another optimizer, or mark a param that "
+                             "torch.optim.Adafactor steps \"adafactor\"")
+    return WholeMatrices.of([k for _, _, k in chosen], [p for p, _, _ in chosen], [n for _, n, _ in chosen])
 
 
 def _device_type(module, device) -> str:

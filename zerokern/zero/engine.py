@@ -334,18 +334,31 @@ class ZeroEngine:
 
 def _check_units_hold(units, matrices, what):
     """[Note: whole matrices in units]: every param of `matrices` in a unit whose layout splits it
-    over several shards was laid out whole by it (zerokern.shard(matrices=...)), or raise naming it."""
+    over several shards was laid out whole by it (zerokern.shard(matrices=...)), with its own
+    optimizer's cost ([Note: a cost per param] in core/whole_matrices.py), or raise naming it."""
+    fix = ("Pass matrices= to every zerokern.shard() call (the Muon groups' params, {param: \"muon\" | \"adafactor\"} "
+           "for each group's class, or fn(name, param) -> \"muon\" | \"adafactor\" | None)")
     for u in units:
         laid = u.config.matrices
         for f in u.flat:
             shards = f.layout.world_size  # 1: every param is whole in any layout
             for m in f.members:
-                if shards > 1 and matrices.holds(m.param) and (laid is None or not laid.holds(m.param)):
+                want = matrices.cost_of(m.param)
+                if shards == 1 or want is None:
+                    continue
+                if laid is None or not laid.holds(m.param):
                     raise ValueError(
                         f"zerokern: {what} steps {m.name} as a whole matrix, so on {shards} ranks it must lie whole "
                         f"in one rank's shard, but unit '{u.name}' was laid out by zerokern.shard() without it. "
-                        "Pass matrices= to every zerokern.shard() call (the Muon groups' params, or fn(name, param) "
-                        "-> bool), or at stages 1 and 2 the params without shard()")
+                        f"{fix}, or at stages 1 and 2 the params without shard()")
+                if laid.cost_of(m.param) != want:
+                    # the numbers would be right (it is whole), but its owner was chosen by another
+                    # optimizer's cost, so the balance the plan promises does not hold: a mistake in
+                    # the shard() calls, refused rather than run lopsided
+                    raise ValueError(
+                        f"zerokern: {what} steps {m.name} with {want.capitalize()}, but unit '{u.name}' laid it "
+                        f"out by {laid.cost_of(m.param).capitalize()}'s cost, so its owners are balanced by the "
+                        f"wrong work. {fix}, naming it \"{want}\"")
 
 
 def _pieces_of(store, tindex):

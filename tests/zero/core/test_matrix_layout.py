@@ -260,3 +260,17 @@ def test_flat_buffers_hold_each_matrix_whole_in_its_owners_shard():
         pc = plan.layout.rank_piece(r, i)
         shard = bufs.shard(r, pc.bucket)
         assert torch.equal(shard[pc.shard_offset:pc.shard_offset + pc.numel].view(shapes[i]), tensors[i])
+
+
+def test_one_plan_takes_each_matrix_with_its_own_cost():
+    """{index: kind}: Muon and Adafactor matrices in one plan ([Note: a cost per param] in
+    whole_matrices.py), each costed by its own class; a 1-D tensor may be Adafactor's only."""
+    shapes = [(10,), (32, 8), (8, 8), (16, 4)]
+    kinds = {0: "adafactor", 1: "muon", 2: "adafactor", 3: "muon"}
+    plan = plan_matrix_layout(shapes, kinds, 2, 64, 4)
+    assert plan.costs == (10, 32 * 8 * 8, 64, 16 * 4 * 4)
+    assert sum(plan.loads) == sum(plan.costs) and all(r is not None for r in plan.owners)
+    with pytest.raises(ValueError, match=r"tensor 0 \('b'\) has shape \[10\]: a Muon param group takes 2-D"):
+        plan_matrix_layout(shapes, {0: "muon"}, 2, 64, names=["b", "w", "v", "u"])
+    with pytest.raises(ValueError, match=r"tensor 1: cost must be one of \('muon', 'adafactor'\), got 'lion'"):
+        plan_matrix_layout(shapes, {1: "lion"}, 2, 64)

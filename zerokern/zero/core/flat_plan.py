@@ -18,8 +18,9 @@ def plan_flat(params, names: Sequence[str], world_size: int, bucket_cap: int, al
     """The layout of `params` (one dtype of a unit, in backward order). matrices: a WholeMatrices
     or None. On one shard (world_size 1) every param is whole in any layout, so plan_layout's is
     kept there, as it is for a FlatParams holding none of the matrices."""
-    whole = [i for i, p in enumerate(params) if matrices is not None and matrices.holds(p)]
+    whole = {i: matrices.cost_of(p) for i, p in enumerate(params) if matrices is not None and matrices.holds(p)}
     if not whole or world_size == 1:
         return plan_layout([p.numel() for p in params], world_size, bucket_cap, align, breaks)
+    # each param balanced by its own optimizer's cost ([Note: a cost per param] in whole_matrices.py)
     return plan_matrix_layout([tuple(p.shape) for p in params], whole, world_size, bucket_cap, align,
-                              matrices.cost, breaks, list(names)).layout
+                              breaks=breaks, names=list(names)).layout

@@ -12,10 +12,13 @@ in, numbers out, no torch.
     plan.padding_numel
 
 `shapes` are the tensors' shapes in the order their gradients are expected (as plan_layout's
-numels); `matrices` the indices of the tensors the matrix optimizer runs on. Cost of a tensor
-(the work its owner does per step): "muon", Newton-Schulz, max(m, n) * min(m, n)**2 for an m x n
-matrix (each of the ns_steps iterations multiplies an n x n Gram matrix by itself and the
-matrix, n = min(m, n)); "adafactor", m * n (row and column statistics, one pass). What holds as in
+numels); `matrices` the indices of the tensors the matrix optimizer runs on, or {index: kind}
+where several optimizers' matrices share a plan. Cost of a tensor (the work its owner does per
+step): "muon", Newton-Schulz, max(m, n) * min(m, n)**2 for an m x n matrix (each of the ns_steps
+iterations multiplies an n x n Gram matrix by itself and the matrix, n = min(m, n)); "adafactor",
+m * n (row and column statistics, one pass). Both count multiply-adds up to a small constant, so
+one rank's load adds them as they are (a d x d matrix costs d^3 under Muon, d^2 under Adafactor:
+the Muon matrices dominate a mixed plan, as they dominate its step time). What holds as in
 plan_layout: [Note: alignment rule]; each bucket's padded size is world_size * shard with the
 shard a multiple of align; rank r owns [r * shard, (r + 1) * shard) of every bucket; buckets are
 runs of consecutive tensors in the given order that never cross a break. What differs: how a
@@ -91,7 +94,7 @@ would silently get no update).
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .layout import Bucket, FlatLayout, Slot, _round_up, plan_layout
 from .whole_matrices import COSTS
@@ -139,13 +142,16 @@ class MatrixLayout:
         return tuple(i for i, r in enumerate(self.owners) if r == rank)
 
 
-def plan_matrix_layout(shapes: Sequence[Sequence[int]], matrices: Iterable[int], world_size: int, bucket_cap: int,
-                       align: int = 16, cost: str = "muon", breaks: Sequence[int] = (),
-                       names: Optional[Sequence[str]] = None, span: int = 1) -> MatrixLayout:
+def plan_matrix_layout(shapes: Sequence[Sequence[int]], matrices: Union[Iterable[int], Mapping[int, str]],
+                       world_size: int, bucket_cap: int, align: int = 16, cost: str = "muon",
+                       breaks: Sequence[int] = (), names: Optional[Sequence[str]] = None,
+                       span: int = 1) -> MatrixLayout:
     """Buckets for tensors of `shapes` (in gradient order) in which each tensor of `matrices` lies
-    whole in one rank's shard (module docstring). names: the tensors' names, for the errors.
-    span: a bucket may hold up to span x world_size x its largest matrix ([Note: cutting the
-    buckets]): larger buckets, less padding, a longer plan."""
+    whole in one rank's shard (module docstring). matrices: tensor indices, each of kind `cost`,
+    or {index: kind} where one plan holds matrices of several optimizers ([Note: a cost per
+    param] in whole_matrices.py; `cost` is then unused). names: the tensors' names, for the
+    errors. span: a bucket may hold up to span x world_size x its largest matrix ([Note: cutting
+    the buckets]): larger buckets, less padding, a longer plan."""
     shapes = [tuple(s) for s in shapes]
     numels = [math.prod(s) for s in shapes]
     plan_layout(numels, world_size, bucket_cap, align, breaks)  # its checks of the common arguments
@@ -153,8 +159,9 @@ def plan_matrix_layout(shapes: Sequence[Sequence[int]], matrices: Iterable[int],
         raise ValueError(f"cost must be one of {COSTS}, got {cost!r}")
     if isinstance(span, bool) or not isinstance(span, int) or span < 1:
         raise ValueError(f"span must be an int >= 1, got {span!r}")
-    whole = _whole(shapes, numels, matrices, cost, names)
-    costs = tuple(matrix_cost(cost, s) if w else 0 for s, w in zip(shapes, whole))
+    kinds = _kinds(shapes, numels, matrices, cost, names)
+    whole = [k is not None for k in kinds]
+    costs = tuple(matrix_cost(k, s) if k else 0 for s, k in zip(shapes, kinds))
     if not any(whole):
         return MatrixLayout(plan_layout(numels, world_size, bucket_cap, align, breaks), (None,) * len(shapes), costs,
                             sum(numels))
@@ -191,26 +198,29 @@ def plan_matrix_layout(shapes: Sequence[Sequence[int]], matrices: Iterable[int],
     return MatrixLayout(layout, tuple(owners), costs, sum(numels))
 
 
-def _whole(shapes, numels, matrices, cost, names) -> List[bool]:
-    """Per tensor, whether it is one of `matrices`: checked, naming the culprit ([Note: which
-    tensors are whole])."""
+def _kinds(shapes, numels, matrices, cost, names) -> List[Optional[str]]:
+    """Per tensor, its cost kind if it is one of `matrices` (None: element-wise): checked, naming
+    the culprit ([Note: which tensors are whole])."""
     if names is not None and len(names) != len(shapes):
         raise ValueError(f"{len(names)} names for {len(shapes)} shapes")
     name = (lambda i: f"tensor {i} ({names[i]!r})") if names is not None else (lambda i: f"tensor {i}")  # noqa: E731
-    whole = [False] * len(shapes)
-    for i in matrices:
+    kinds: List[Optional[str]] = [None] * len(shapes)
+    pairs = matrices.items() if isinstance(matrices, Mapping) else ((i, cost) for i in matrices)
+    for i, kind in pairs:
         if not isinstance(i, int) or not 0 <= i < len(shapes):
             raise ValueError(f"matrices holds {i!r}, not the index of one of the {len(shapes)} tensors")
-        if whole[i]:
+        if kinds[i] is not None:
             raise ValueError(f"matrices names {name(i)} twice")
-        if cost == "muon" and len(shapes[i]) != 2:
+        if kind not in COSTS:
+            raise ValueError(f"{name(i)}: cost must be one of {COSTS}, got {kind!r}")
+        if kind == "muon" and len(shapes[i]) != 2:
             raise ValueError(f"{name(i)} has shape {list(shapes[i])}: a Muon param group takes 2-D tensors only "
                              "(torch.optim.Muon refuses others); put it in the element-wise (AdamW) group")
         if numels[i] == 0:
             raise ValueError(f"{name(i)} has shape {list(shapes[i])}, no elements: a matrix optimizer would give it "
                              "no update (a param not materialised yet?)")
-        whole[i] = True
-    return whole
+        kinds[i] = kind
+    return kinds
 
 
 def _flat(numels, lo, hi, world_size, align):

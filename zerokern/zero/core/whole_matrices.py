@@ -1,11 +1,16 @@
 """WholeMatrices: which params a matrix optimizer (torch.optim.Muon, torch.optim.Adafactor) steps
-whole, and the cost of one matrix's step that owners are balanced by (matrix_layout.py). A leaf
-of core/: ShardConfig (stage.py) carries it, and flat_plan.py lays the params out by it.
+whole, and per param the kind of cost its step has ("muon" or "adafactor"), by which owners are
+balanced (matrix_layout.py). A leaf of core/: ShardConfig (stage.py) carries it, and flat_plan.py
+lays the params out by it.
 
-It names the params by id(): the unit that holds the config holds the params too, so an id cannot
-be reused while it is read. Ids differ between processes, so the ranks agree on agreed() (the
-cost and how many), not on the ids; which params they are is agreed through the param groups'
-shapes and sizes, which Agreement.same_model_on_every_rank compares already.
+[Note: a cost per param] One optimizer may step Muon groups and Adafactor groups (and a unit may
+hold params of both), so the kind is per param, not per optimizer: each param is balanced by its
+own class's work (Muon's Newton-Schulz max(m, n) min(m, n)^2, Adafactor's m n). It names the
+params by id(): the unit that holds the config holds the params too, so an id cannot be reused
+while it is read. Ids differ between processes, so the ranks agree on agreed(), which keeps per
+param its label (name and shape, in the unit's or the groups' order) and its kind and drops the
+ids: a param laid out with another kind, or left out, on one rank makes every rank raise, listing
+each rank's.
 
 [Note: whole matrices in units] A stage-3 unit (zerokern.shard) is laid out, and sharded, before
 the optimizer exists, so the optimizer cannot lay its matrices out as it does for the params it
@@ -20,7 +25,7 @@ a unit (loads carried across its buckets, not across units).
 """
 
 from dataclasses import dataclass, field
-from typing import FrozenSet
+from typing import Iterable, Optional, Sequence, Tuple, Union
 
 # the per-matrix costs matrix_layout.matrix_cost knows
 COSTS = ("muon", "adafactor")
@@ -28,28 +33,46 @@ COSTS = ("muon", "adafactor")
 
 @dataclass(frozen=True)
 class WholeMatrices:
-    """The params (by id) that a matrix optimizer steps whole, and its per-matrix cost
-    (matrix_layout.COSTS: "muon", "adafactor")."""
+    """The params (by id) that matrix optimizers step whole, each with its cost kind
+    (matrix_layout.COSTS: "muon", "adafactor"). Build with WholeMatrices.of."""
 
-    cost: str
-    ids: FrozenSet[int] = field(default=frozenset(), repr=False)
-    count: int = -1  # len(ids); kept by agreed(), which drops the ids
+    kinds: Tuple[Tuple[str, str], ...]  # per param, in order: (its label, name and shape; its cost kind)
+    ids: Tuple[int, ...] = field(default=(), repr=False)  # per entry of kinds, id(param); () once agreed()
 
     def __post_init__(self):
-        if self.cost not in COSTS:
-            raise ValueError(f"WholeMatrices(cost=...) must be one of {COSTS}, got {self.cost!r}")
-        if not isinstance(self.ids, frozenset):
-            raise TypeError(f"WholeMatrices(ids=...) must be a frozenset of id(param), got {type(self.ids).__name__}")
-        if self.count == -1:
-            object.__setattr__(self, "count", len(self.ids))
+        if not isinstance(self.kinds, tuple) or not isinstance(self.ids, tuple):
+            raise TypeError("WholeMatrices(kinds=..., ids=...) take tuples; build it with WholeMatrices.of")
+        for label, kind in self.kinds:
+            if kind not in COSTS:
+                raise ValueError(f"WholeMatrices: the cost of {label} must be one of {COSTS}, got {kind!r}")
+        if self.ids and len(self.ids) != len(self.kinds):
+            raise ValueError(f"WholeMatrices: {len(self.ids)} ids for {len(self.kinds)} params")
+        object.__setattr__(self, "_kind_of", {i: k for i, (_, k) in zip(self.ids, self.kinds)})
 
     @classmethod
-    def of(cls, cost: str, params) -> "WholeMatrices":
-        return cls(cost, frozenset(id(p) for p in params))
+    def of(cls, cost: Union[str, Sequence[str]], params: Iterable, names: Optional[Sequence[str]] = None
+           ) -> "WholeMatrices":
+        """cost: one kind for every param, or one per param; names: per param, what errors and
+        the ranks' agreement call it (else its position)."""
+        params = list(params)
+        costs = [cost] * len(params) if isinstance(cost, str) else list(cost)
+        if len(costs) != len(params):
+            raise ValueError(f"WholeMatrices.of: {len(costs)} costs for {len(params)} params")
+        names = [f"params[{k}]" for k in range(len(params))] if names is None else list(names)
+        return cls(tuple((f"{n} {list(p.shape)}", c) for n, p, c in zip(names, params, costs)),
+                   tuple(id(p) for p in params))
+
+    @property
+    def count(self) -> int:
+        return len(self.kinds)
 
     def holds(self, p) -> bool:
-        return id(p) in self.ids
+        return id(p) in self._kind_of
+
+    def cost_of(self, p) -> Optional[str]:
+        """p's cost kind, None where p is not one of these."""
+        return self._kind_of.get(id(p))
 
     def agreed(self) -> "WholeMatrices":
-        """What every rank must pass alike: the cost and the count, not the process-local ids."""
-        return WholeMatrices(self.cost, frozenset(), self.count)
+        """What every rank must pass alike: each param's label and kind, not the process-local ids."""
+        return WholeMatrices(self.kinds)

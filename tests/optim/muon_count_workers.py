@@ -1,0 +1,134 @@
+"""Rank bodies of test_zero_muon_count.py (issue 51 item 8, no silent SGD): how many times
+Newton-Schulz ran on each rank in each optimizer step, counted in torch's own Muon, when a
+GradScaler skips a step and under no_sync accumulation at stage 3. The model, its optimizer and the
+one-process reference are muon_units_workers.py's; every rank on the same batch."""
+
+import torch
+import torch.optim._muon as torch_muon
+
+import muon_units_workers as w
+import zerokern
+
+BAD = 1  # the step whose grads hold an inf on rank 1 only
+
+
+class CountNS:
+    """Counts the calls of torch's Newton-Schulz (the function torch.optim.Muon's step calls once
+    per param it updates) while `on` is set: zerokern's steps, not the reference's."""
+
+    def __init__(self):
+        self.on, self.calls, self._real = False, 0, torch_muon._zeropower_via_newtonschulz
+        torch_muon._zeropower_via_newtonschulz = self._counted
+
+    def _counted(self, *args, **kwargs):
+        self.calls += self.on
+        return self._real(*args, **kwargs)
+
+    def step(self, step):
+        """Run step() (the optimizer's step, or scaler.step(opt)) and return the NS calls it made."""
+        before, self.on = self.calls, True
+        try:
+            step()
+        finally:
+            self.on = False
+        return self.calls - before
+
+    def close(self):
+        torch_muon._zeropower_via_newtonschulz = self._real
+
+
+def _how(stage):
+    return "list" if stage == 3 else "optimizer"
+
+
+def _owned(opt):
+    """The matrices (trainable indices) whose whole piece this rank holds: the ones it steps."""
+    return sorted(t for t, piece in opt._piece.items() if t in opt._whole and piece.numel())
+
+
+def _state(opt):
+    """The optimizer's state dict tensors (a collective: Muon's momentum from its owners), copied."""
+    return {(k, key): v.clone() for k, st in opt.state_dict()["state"].items() for key, v in st.items()
+            if isinstance(v, torch.Tensor)}
+
+
+def scaler_skip(rank, world, stage, steps=4):
+    """torch.amp.GradScaler on fp32 params; at step BAD an inf reaches one element of
+    blocks.0.up.weight's grad on rank 1 only (from a forward hook, so at stage 3 too; the plan gives
+    that matrix to rank 0 at stages 1-2 and to rank 1 at stage 3, so the inf reaches another rank's
+    matrix in one case and its own in the other: the test prints the owners). Returns per
+    step: (NS calls, matrices_stepped's increase, the scale after update(), whether the params
+    changed, whether the optimizer state changed); the owned matrices; the params' and momentum's
+    max diff from one-process Muon + AdamW that skipped step BAD; the full params."""
+    counter = CountNS()
+    try:
+        model, opt = w._built(stage, None, torch.float32, _how(stage), False)
+        ref = w._net(torch.float32)
+        ref_opt = w._Reference(ref)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        poison = []
+        bad = 0.0
+        # inf x one weight element: the loss and that element's grad are inf, every other grad finite
+        model.blocks[0].up.register_forward_hook(lambda mod, inp, out: poison.append(mod.weight[0, 0] * bad))
+        log = []
+        for t, x in enumerate(w._batches()[:steps]):
+            bad = float("inf") if t == BAD and rank == 1 else 0.0
+            before, state = zerokern.full_state_dict(model, rank0_only=False), _state(opt)
+            stepped = opt.matrices_stepped
+            opt.zero_grad()
+            poison.clear()
+            scaler.scale(model(x) + poison[0]).backward()
+            calls = counter.step(lambda: scaler.step(opt))
+            scaler.update()
+            after, state_after = zerokern.full_state_dict(model, rank0_only=False), _state(opt)
+            log.append((calls, opt.matrices_stepped - stepped, scaler.get_scale(),
+                        any(not torch.equal(before[n], after[n]) for n in before),
+                        state.keys() != state_after.keys() or any(not torch.equal(v, state_after[k])
+                                                                  for k, v in state.items())))
+            if t != BAD:
+                ref_opt.zero_grad()
+                ref(x).backward()
+                ref_opt.step()
+        full = zerokern.full_state_dict(model, rank0_only=False)
+        diff = max((full[n] - q).abs().max().item() for n, q in ref.state_dict().items())
+        sd = opt.state_dict()
+        mom = max((sd["state"][k]["momentum_buffer"] - st["momentum_buffer"]).abs().max().item()
+                  for k, st in ref_opt.opts[0].state_dict()["state"].items())
+        return log, _owned(opt), diff, mom, full
+    finally:
+        counter.close()
+
+
+def accumulate(rank, world, stage=3, steps=5, micro=2):
+    """micro micro-batches an optimizer step, all but the last under opt.no_sync(), against
+    one-process Muon + AdamW accumulating the same micro-batches. Returns per step (NS calls,
+    matrices_stepped's increase), the owned matrices, the params' and momentum's max diff, and the
+    full params."""
+    counter = CountNS()
+    try:
+        model, opt = w._built(stage, None, torch.float32, _how(stage), False)
+        ref = w._net(torch.float32)
+        ref_opt = w._Reference(ref)
+        xs = w._batches()[:steps * micro]
+        log = []
+        for k in range(0, len(xs), micro):
+            ref_opt.zero_grad()
+            opt.zero_grad()
+            for j, x in enumerate(xs[k:k + micro]):
+                (ref(x) / micro).backward()
+                if j < micro - 1:
+                    with opt.no_sync():
+                        (model(x) / micro).backward()
+                else:
+                    (model(x) / micro).backward()
+            ref_opt.step()
+            stepped = opt.matrices_stepped
+            log.append((counter.step(opt.step), opt.matrices_stepped - stepped))
+        full = zerokern.full_state_dict(model, rank0_only=False)
+        diff = max((full[n] - q).abs().max().item() for n, q in ref.state_dict().items())
+        sd = opt.state_dict()
+        mom = max((sd["state"][k]["momentum_buffer"] - st["momentum_buffer"]).abs().max().item()
+                  for k, st in ref_opt.opts[0].state_dict()["state"].items())
+        return log, _owned(opt), diff, mom, full
+    finally:
+        counter.close()

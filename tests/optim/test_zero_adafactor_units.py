@@ -1,0 +1,60 @@
+"""ZeroOptimizer with a torch.optim.Adafactor group (the blocks' matrices, biases and norms: 1-D
+params too) beside an AdamW group, where zerokern.shard() lays the params out: stage 3 on 2 ranks
+with shard(matrices={param: "adafactor"}) or fn(name, param) -> "adafactor" ([Note: a cost per
+param] in zerokern/zero/core/whole_matrices.py), and a 2 x 2 (replicate, shard) mesh at stages
+1-3. Every rank on the same batch: after 20 steps the params equal one-process
+torch.optim.Adafactor + torch.optim.AdamW bit for bit, on every rank alike, and each Adafactor
+param was stepped once a step in each shard group. Bodies in matrix_kinds_workers.py."""
+
+import re
+
+import pytest
+import torch
+
+import dist_harness
+import matrix_kinds_workers as K
+import zerokern
+
+pytestmark = pytest.mark.skipif(not hasattr(torch.optim, "Adafactor"), reason="torch.optim.Adafactor is torch 2.5+")
+
+
+@pytest.mark.parametrize("dtype, how", [(torch.float32, "dict"), (torch.bfloat16, "predicate")])
+def test_stage_3_on_two_ranks_is_one_process_adafactor_and_adamw(dtype, how):
+    cases = [(3, None, dtype, how)]
+    K.check(dist_harness.values(dist_harness.run(K.same_batch, 2, "adafactor", cases, timeout=300)), cases, 2, 2)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_2x2_mesh_is_one_process_adafactor_and_adamw(stage):
+    cases = [(stage, (2, 2), torch.float32, "optimizer" if stage < 3 else "dict")]
+    K.check(dist_harness.values(dist_harness.run(K.same_batch, 4, "adafactor", cases, timeout=400)), cases, 4, 2)
+
+
+@pytest.mark.parametrize("which, message", [
+    ("missing", r"ZeroOptimizer steps blocks\.\d\.(up\.bias|norm\.weight|norm\.bias) as a whole matrix, so on 2 "
+                r"ranks it must lie whole in one rank's shard, but unit 'blocks\.\d' was laid out by "
+                r"zerokern\.shard\(\) without it\. Pass matrices= to every zerokern\.shard\(\) call "
+                r"\(.*\{param: \"muon\" \| \"adafactor\"\}"),
+    ("muon cost", r"ZeroOptimizer steps blocks\.\d\.(up|down)\.weight with Adafactor, but unit 'blocks\.\d' laid it "
+                  r"out by Muon's cost, so its owners are balanced by the wrong work\. Pass matrices= .*naming it "
+                  r"\"adafactor\""),
+    ("differ", r"zerokern\.shard\(_Layer, stage=3\): the ranks shard different params or options.*"
+               r"\('up\.weight \[21, 9\]', 'adafactor'\).*rank 1: .*\('up\.weight \[21, 9\]', 'muon'\)")])
+def test_units_laid_out_otherwise_are_refused_by_name_on_every_rank(which, message):
+    """A unit without an Adafactor param, one laid out by Muon's cost, and ranks that lay a param
+    out with different costs: every rank raises (the harness fails a run that hangs), naming it."""
+    for rank, text in enumerate(dist_harness.values(dist_harness.run(K.refused, 2, "adafactor", which,
+                                                                      timeout=120))):
+        assert text is not None and re.search(message, text, re.S), f"rank {rank}: {text}"
+
+
+def test_shard_names_a_param_given_an_unknown_optimizer():
+    model = K.U._net(torch.float32)
+    with pytest.raises(ValueError, match=r"zerokern.shard\(matrices=...\): up.bias is given 'lamb'; a param's entry "
+                                         r"is \"muon\" or \"adafactor\""):
+        zerokern.shard(model.blocks[0], stage=2, matrices={model.blocks[0].up.bias: "lamb"})
+    with pytest.raises(ValueError, match=r"zerokern.shard\(matrices=...\): norm.weight has shape \[21\]; a matrix "
+                                         r"optimizer \(torch.optim.Muon\) steps 2-D params only"):
+        zerokern.shard(model.blocks[0], stage=2, matrices=lambda name, p: "muon" if name.startswith("norm") else None)
+    assert not isinstance(model.blocks[0], zerokern.zero.api.ZeroModule), "refused before the unit was made"
+

@@ -1,0 +1,60 @@
+"""One ZeroOptimizer with a torch.optim.Muon group (the blocks' 2-D weights), a
+torch.optim.Adafactor group (their biases and norms, and the head's weight) and an AdamW group (the
+embedding, the head's bias): each param whole on one owner, balanced by its own class's cost
+([Note: a cost per param] in zerokern/zero/core/whole_matrices.py). On 2 ranks at stage 2 (laid
+out by the optimizer, or by shard() units) and stage 3, every rank on the same batch: after 20
+steps the params equal one-process torch.optim.Muon + Adafactor + AdamW bit for bit, on every rank
+alike, and each whole param was stepped once a step. Bodies in matrix_kinds_workers.py."""
+
+import re
+
+import pytest
+import torch
+
+import dist_harness
+import matrix_kinds_workers as K
+import zerokern
+
+pytestmark = pytest.mark.skipif(not (hasattr(torch.optim, "Muon") and hasattr(torch.optim, "Adafactor")),
+                                reason="torch.optim.Muon is torch 2.9+")
+
+
+@pytest.mark.parametrize("stage, how, dtype", [(2, "optimizer", torch.float32), (2, "dict", torch.float32),
+                                               (3, "dict", torch.float32), (3, "predicate", torch.bfloat16)])
+def test_muon_adafactor_and_adamw_on_two_ranks_are_one_process_torch(stage, how, dtype):
+    cases = [(stage, None, dtype, how)]
+    K.check(dist_harness.values(dist_harness.run(K.same_batch, 2, "mixed", cases, timeout=300)), cases, 2, 2)
+
+
+@pytest.mark.parametrize("stage, how", [(2, "optimizer"), (3, "dict")])
+def test_one_process_is_torch_muon_adafactor_and_adamw(stage, how):
+    """On one shard every param is whole in any layout; the three classes still run as their own
+    torch optimizers (InnerSet), each param stepped by its own."""
+    model, opt = K._built("mixed", stage, None, torch.float32, how)
+    diff, _, whole = K.against_reference("mixed", model, opt, torch.float32)
+    assert diff == 0.0, f"params {diff} from one-process torch"
+    assert opt.matrices_stepped == K.U.STEPS * whole
+
+
+def test_units_that_lay_a_param_out_by_the_other_class_are_refused_on_every_rank():
+    """Rank 1 lays blocks.0.up.weight (Muon's) out as Adafactor's: every rank raises, listing each
+    rank's param kinds, before any collective could pair with another size."""
+    for rank, text in enumerate(dist_harness.values(dist_harness.run(K.refused, 2, "mixed", "differ",
+                                                                      timeout=120))):
+        assert text is not None and re.search(r"the ranks shard different params or options.*"
+                                              r"\('up\.weight \[21, 9\]', 'muon'\).*rank 1: .*"
+                                              r"\('up\.weight \[21, 9\]', 'adafactor'\)", text, re.S), text
+
+
+def test_a_1d_param_in_the_muon_group_is_refused_by_name():
+    """Beside an Adafactor group, which takes it; before the engine takes any param."""
+    model = K.U._net(torch.float32)
+    groups = K._groups("mixed", model)
+    bias = model.blocks[1].up.bias
+    groups[0]["params"].append(bias)
+    groups[1]["params"] = [p for p in groups[1]["params"] if p is not bias]
+    named = [{**g, "params": [(n, p) for n, p in model.named_parameters() if any(p is q for q in g["params"])]}
+             for g in groups]
+    with pytest.raises(ValueError, match=r"Muon orthogonalises .* takes 2-D params only: params\[\d+\] "
+                                         r"\('blocks\.1\.up\.bias'\) has shape \[13\]"):
+        zerokern.ZeroOptimizer(named, torch.optim.AdamW, zero_stage=2)

@@ -1,0 +1,62 @@
+"""No silent SGD (issue 51 item 8): Newton-Schulz, counted where torch's Muon calls it, ran exactly
+once per matrix per optimizer step, on exactly the one rank that owns the matrix, and
+opt.matrices_stepped agrees; a step that a GradScaler skips (an inf in one rank's grads only) runs
+no NS on any rank and changes no param and no optimizer state, at stages 1, 2 and 3; under no_sync
+accumulation at stage 3, NS runs once per optimizer step, not per micro-batch. Every rank on the
+same batch, 2 ranks, fp32, Muon on the blocks' matrices and AdamW on the rest (muon_units_workers'
+model), against one-process torch.optim.Muon + torch.optim.AdamW. Bodies in muon_count_workers.py."""
+
+import pytest
+import torch
+
+import dist_harness
+import muon_count_workers as W
+import muon_units_workers as units
+
+pytestmark = pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon is torch 2.9+")
+
+# Every rank reduces the same grads, so Muon and AdamW see one process's: the issue's bar, 1e-6. The
+# GradScaler's scale is a power of 2, so scaling the loss and unscaling the grads is exact: the
+# reference needs no scaler.
+TOL = 1e-6
+MATRICES = len(units.hidden(units.Net()))
+
+
+def _check_counts(out, good_steps, case):
+    """Per good step each rank ran NS on each matrix it owns, once; the ranks own disjoint sets
+    that cover every matrix; NS calls == matrices_stepped's increase."""
+    owned = [o[1] for o in out]
+    assert sorted(t for ts in owned for t in ts) == list(range(MATRICES)), f"{case}: owners {owned}"
+    assert all(owned), f"{case}: a rank owns no matrix: {owned}"
+    for rank, o in enumerate(out):
+        for t, entry in enumerate(o[0]):
+            calls, stepped = entry[:2]
+            want = len(owned[rank]) if t in good_steps else 0
+            assert calls == stepped == want, f"{case}, rank {rank}, step {t}: {calls} NS calls, " \
+                                             f"matrices_stepped +{stepped}, expected {want}"
+    for rank, o in enumerate(out):
+        print(f"{case}, rank {rank}: owns {owned[rank]}, NS calls per step {[e[0] for e in o[0]]}, params "
+              f"{o[2]:.3g} and momentum {o[3]:.3g} from one process")
+        assert o[2] <= TOL, f"{case}, rank {rank}: params {o[2]} from one-process Muon + AdamW"
+        assert o[3] <= TOL, f"{case}, rank {rank}: momentum {o[3]} from one-process Muon's"
+        for n, v in o[4].items():
+            assert torch.equal(v, out[0][4][n]), f"{case}: rank {rank}'s {n} is not rank 0's bit for bit"
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_step_the_grad_scaler_skips_runs_no_newton_schulz_on_any_rank(stage):
+    out = dist_harness.values(dist_harness.run(W.scaler_skip, 2, stage, timeout=300))
+    steps = len(out[0][0])
+    _check_counts(out, set(range(steps)) - {W.BAD}, f"stage {stage}")
+    for rank, o in enumerate(out):
+        scales = [e[2] for e in o[0]]
+        assert scales == [1024.0, 512.0, 512.0, 512.0], f"rank {rank}: every rank backs off at step {W.BAD}: {scales}"
+        changed = [e[3] for e in o[0]]
+        assert changed == [t != W.BAD for t in range(steps)], f"rank {rank}: params changed per step: {changed}"
+        state = [e[4] for e in o[0]]
+        assert state == [t != W.BAD for t in range(steps)], f"rank {rank}: optimizer state changed: {state}"
+
+
+def test_no_sync_accumulation_at_stage_3_runs_newton_schulz_once_per_step():
+    out = dist_harness.values(dist_harness.run(W.accumulate, 2, timeout=300))
+    _check_counts(out, set(range(len(out[0][0]))), "stage 3, 2 micro-batches")

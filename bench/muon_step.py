@@ -10,6 +10,7 @@ head), fp32, --batch sequences per rank. Muon (lr 0.02, momentum 0.95, weight de
 
 Variants (each rank builds every one from the same weights, feeds them the same batches):
   zerokern-muon        ZeroOptimizer([Muon group, AdamW group], AdamW, zero_stage=2)
+  zerokern-muon-pieces the same, stepping each AdamW piece alone (as before optim/flat_runs.py; not by default)
   zerokern-adamw       FusedZeroAdam(zero_stage=2) on every param: ZeRO-2 with AdamW, the bytes to match
   ddp-muon             DistributedDataParallel + torch.optim.Muon + torch.optim.AdamW: every rank runs every NS
   fsdp2-muon           fully_shard on each block and the root + torch.optim.Muon + AdamW (its error if any)
@@ -134,6 +135,12 @@ def build(kind, base, cap_mb):
         opt = zerokern.ZeroOptimizer([{"params": hidden, "optimizer": torch.optim.Muon, **MUON}, {"params": rest}],
                                      torch.optim.AdamW, zero_stage=2, bucket_cap_mb=cap_mb, **ADAMW)
         return Variant(kind, model, [opt])
+    if kind == "zerokern-muon-pieces":  # the A/B of [Note: element-wise pieces as runs] in one run
+        v = build("zerokern-muon", base, cap_mb)
+        opt = v.opts[0]
+        opt._runs = []  # private: every AdamW piece stepped alone, as before FlatRuns
+        opt._one_by_one = [t for t in opt._piece if not (t in opt._whole and opt._where[t][2] == 0)]
+        return Variant(kind, v.model, [opt])
     if kind == "zerokern-adamw":
         import zerokern
 

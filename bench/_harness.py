@@ -12,9 +12,11 @@ import os
 import platform
 import socket
 import statistics
+import tempfile
 import time
 
 import torch
+import torch.multiprocessing as mp
 
 
 def sync(device):
@@ -69,6 +71,16 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_ranks(worker, world, args):
+    """Spawn `world` processes of worker(rank, world, init, args, out), their rendezvous a file in a
+    temporary folder; returns what rank 0 wrote to the file `out` as JSON."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        mp.start_processes(worker, args=(world, f"file://{tmp}/store", args, out), nprocs=world, start_method="spawn")
+        with open(out) as f:
+            return json.load(f)
 
 
 def summary(seconds):

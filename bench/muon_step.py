@@ -48,7 +48,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _harness as H  # noqa: E402
@@ -317,12 +316,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     args.port = H.free_port()
     load0 = os.getloadavg()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        mp.start_processes(worker, args=(args.world, f"file://{tmp}/store", args, out), nprocs=args.world,
-                           start_method="spawn")
-        with open(out) as f:
-            res = json.load(f)
+    res = H.run_ranks(worker, args.world, args)
     info = H.machine_info("cpu")
     print(f"\n{args.world} ranks, 12-layer GPT d {args.d} ({res['numel']:,} params, {res['matrices']} Muon matrices), "
           f"batch {args.batch} x {CTX} per rank, {args.threads} thread(s) per rank; load before {load0[0]:.2f}, "

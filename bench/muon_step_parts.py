@@ -14,14 +14,13 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _harness as H  # noqa: E402
 import muon_step as M  # noqa: E402
 from lowbit_loss import CTX, GPT, _loss  # noqa: E402
 
@@ -97,12 +96,7 @@ def main(argv=None):
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     load0 = os.getloadavg()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "parts.json")
-        mp.start_processes(worker, args=(args.world, f"file://{tmp}/store", args, out), nprocs=args.world,
-                           start_method="spawn")
-        with open(out) as f:
-            every = json.load(f)
+    every = H.run_ranks(worker, args.world, args)
     print(f"{args.world} ranks, d {args.d}; ms per step, median over {args.steps} steps, per rank "
           f"(thread time but the wall line); load before {load0[0]:.2f}, after {os.getloadavg()[0]:.2f}")
     rows = {}

@@ -83,9 +83,9 @@ class FlatRuns:
     def set_grads(self, had, grads):
         """Give each bound run its grad for this step (grads: per store, this step's fp32 grad);
         returns the trainable indices of the groups that step piece by piece this time."""
-        rest = []
+        rest, every = [], all(had)  # every param had a grad: no group needs its own look
         for g in self._groups:
-            if all(had[t] for t in g.ts) and (g.bound or self._bind(g)):
+            if (every or all(had[t] for t in g.ts)) and (g.bound or self._bind(g)):
                 for run in g.runs:
                     s, lo, hi = run.grad_at
                     run.param.grad = grads[s][lo:hi]

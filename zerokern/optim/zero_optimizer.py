@@ -36,6 +36,7 @@ state in self.state[p] as views of the file ([Note: inner state on disk] in opti
 import torch
 
 from . import inner_set, inner_state, lowbit_momentum, whole_state, wire_checkpoint
+from .flat_runs import FlatRuns
 from .inner_set import InnerSet
 from .inner_stream import InnerStream
 from . import state_dict as checkpoint
@@ -180,6 +181,18 @@ class ZeroOptimizer(EngineOptimizer):
         else:
             self._momentum.settle()  # codes, never an fp32 buffer
             inner_set.make_initial_state(self.inner, self._stepped(), inner_state.make_initial_state)
+        # [Note: element-wise pieces as runs] in optim/flat_runs.py: torch's element-wise classes' groups
+        runs = {} if self._disk is not None else {c: [] for c in inner_classes if c in _ELEMENTWISE}
+        for k, (gi, ts) in enumerate(zip(self._inner_groups, self._inner_ts)):
+            if self._classes[gi] in runs:
+                runs[self._classes[gi]].append((self.inner.param_groups[k], [
+                    (t, self._piece[t], self._where[t][0], stores[self._where[t][0]].master, *self._where[t][1:3])
+                    for t in ts]))
+        self._runs = [FlatRuns(c, args[c], groups, self.inner) for c, groups in runs.items() if groups]
+        in_runs = {t for k, gi in enumerate(self._inner_groups) if self._classes[gi] in runs for t in self._inner_ts[k]}
+        # the pieces stepped one by one every step: the rest but for the empty ones of matrices owned elsewhere
+        self._one_by_one = [t for t in self._piece if t not in in_runs and not (t in self._whole and
+                                                                                self._where[t][2] == 0)]
         self._sync_state()
 
     def _checked_class(self, cls, elementwise, options, where=None):
@@ -266,15 +279,17 @@ class ZeroOptimizer(EngineOptimizer):
             if divisor is not None:
                 g.div_(divisor.to(g.device))
             grads.append(g)
-        for t, piece in self._piece.items():
+        one_by_one = self._one_by_one + [t for runs in self._runs for t in runs.set_grads(had, grads)]
+        for t in one_by_one:
             s, off, n, _ = self._where[t]
-            if t in self._whole and n == 0:  # another rank owns the matrix ([Note: whole matrices on their owners])
-                continue
+            piece = self._piece[t]
             piece.grad = grads[s][off:off + n].view(piece.shape) if had[t] else None
             self.matrices_stepped += t in self._whole and had[t]
+        for runs in self._runs:
+            runs.step()
         self._momentum.step(self.inner)  # self.inner.step(), int8 momenta decoded a matrix at a time
-        for piece in self._piece.values():
-            piece.grad = None
+        for t in one_by_one:
+            self._piece[t].grad = None
         for store, model in zip(stores, models):
             if model is not None:  # fp16/bf16 params (or an offloaded copy): round the new masters to nearest
                 model.copy_(store.master)
@@ -302,7 +317,11 @@ class ZeroOptimizer(EngineOptimizer):
             st = inner_state.with_placeholders(self.inner.state[piece], self._late[t], piece, self._class_of(t),
                                                self._member(t)[1] or f"params[{index[p]}]")
             st = lowbit_momentum.in_torch_layout(st)  # int8 momentum: torch's fp32 momentum_buffer
-            sd["state"][index[p]] = st
+            # scalars copied: a run's pieces share theirs ([Note: element-wise pieces as runs]), and dcp.load
+            # writes each entry in place
+            sd["state"][index[p]] = {k: v.clone() if isinstance(v, torch.Tensor) and v.dim() == 0 else v
+                                     for k, v in st.items()}
+            st = sd["state"][index[p]]
             if not self.strategy.shards_state or t in self._whole:
                 continue
             _, _, n, start = self._where[t]
@@ -423,6 +442,8 @@ class ZeroOptimizer(EngineOptimizer):
         self._momentum.settle()  # loaded int8 momenta encoded
         # the params the dict had none of
         inner_set.make_initial_state(self.inner, self._stepped(), inner_state.make_initial_state)
+        for runs in self._runs:  # the pieces' state is new: bound to the runs again at the next step
+            runs.unbind_all()
         if self._disk is not None:
             self._disk.to_disk(range(len(self._where)))  # the loaded values into the current slot
         self._sync_state()

@@ -2,7 +2,8 @@
 zerokern/optim/no_master.py): bf16 params with no fp32 master, the inner torch optimizers stepping
 the bf16 shards. With every rank on the same batch the params and state are those of the same
 torch optimizers on a one-process bf16 model, bit for bit: one process at stages 1-3, 2 ranks at
-stage 2 and stage 3 (shard(matrices=...) units), Muon + AdamW. No store holds an fp32 master;
+stage 2 and stage 3 (shard(matrices=...) units), Muon + AdamW (Adafactor + AdamW on one
+process). No store holds an fp32 master;
 the state is bf16, as torch keeps it; the state dict loads into torch's optimizers. Other dtypes,
 offload, int8 momentum and quantized gathers are refused by name."""
 
@@ -112,6 +113,26 @@ def test_one_process_is_torch_on_a_bf16_model_bit_for_bit(stage, clip):
     with_masters = _built(kept, stage, max_grad_norm=clip)
     _train(kept, [with_masters], clip)
     assert _diff(kept, ref) > 0.0 and any(s.separate_master for s in with_masters.engine.stores)
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Adafactor"), reason="torch.optim.Adafactor is torch 2.5+")
+def test_adafactor_groups_too():
+    """Adafactor (each param whole on its owner) + AdamW without masters: torch's on bf16, its
+    row and column variances in bf16 as torch keeps them."""
+    ref = _net()
+    model = copy.deepcopy(ref)
+
+    def groups(m):
+        return [{"params": [p for p in m.parameters() if p.dim() == 2], "optimizer": torch.optim.Adafactor,
+                 "lr": 0.01}, {"params": [p for p in m.parameters() if p.dim() != 2], **ADAMW}]
+    g = groups(ref)
+    _train(ref, [torch.optim.Adafactor(g[0]["params"], lr=0.01), torch.optim.AdamW(g[1]["params"], **ADAMW)])
+    opt = zerokern.ZeroOptimizer(groups(model), torch.optim.AdamW, zero_stage=2, bucket_cap_mb=1e-4,
+                                 master_weights=False)
+    _train(model, [opt])
+    assert _diff(model, ref) == 0.0
+    assert _keeps_no_master(opt) and opt.matrices_stepped == STEPS * 4
+    assert all(opt.state[p]["row_var"].dtype == torch.bfloat16 for p in groups(model)[0]["params"])
 
 
 def test_the_state_dict_is_torch_s_and_loads_both_ways():

@@ -81,6 +81,7 @@ def train(rank, world, name, stage):
             if isinstance(v, torch.Tensor) and v.dim() == 0 and v.dtype.is_floating_point:
                 v.fill_(99.0)
     untouched = all(torch.equal(a, b) for a, b in zip(live, before))
-    return {"same": same, "diff": diff, "bound": bound, "scalars": scalars, "untouched": untouched, "elements": elements,
+    return {"same": same, "diff": diff, "bound": bound, "scalars": scalars, "untouched": untouched,
+            "elements": elements,
             "runs": sum(len(g.runs) for runs in opt._runs for g in runs._groups),
             "pieces": len(opt._piece)}

@@ -45,10 +45,12 @@ class _Group:
 
 
 class FlatRuns:
+    """One torch optimizer (the class of the groups it takes) over the runs of those groups' pieces."""
+
     def __init__(self, optimizer_class, kwargs, groups, inner):
         """groups: per inner param group to run, (its dict, [(t, piece, store index, master, offset, numel)]).
         inner: the inner optimizer (or InnerSet), whose .state keeps the pieces' state."""
-        self._owner, self._inner, self._groups, run_groups = inner, [], [], []
+        self._owner, self._inner_groups, self._groups, run_groups = inner, [], [], []
         for group, pieces in groups:
             spans, empty = [], []  # spans: [store, start, end, master, pieces]
             for _, piece, s, master, off, n in sorted(pieces, key=lambda x: (x[2], x[4])):
@@ -69,7 +71,7 @@ class FlatRuns:
                 runs.append(_Run((s, lo, hi), master[lo:hi], [(p, at[k], at[k + 1]) for k, p in enumerate(members)]))
             runs[0].members += [(piece, 0, 0) for piece in empty]
             self._groups.append(_Group(runs, [t for t, *_ in pieces]))
-            self._inner.append(group)
+            self._inner_groups.append(group)
             run_groups.append({**_options(group), "params": [run.param for run in runs]})
         self.optimizer = optimizer_class(run_groups, **kwargs)
 
@@ -94,8 +96,8 @@ class FlatRuns:
 
     def step(self):
         """Step the runs given grads, with the inner groups' options (LR schedulers change those)."""
-        for inner, run_group in zip(self._inner, self.optimizer.param_groups):
-            run_group.update(_options(inner))
+        for group, run_group in zip(self._inner_groups, self.optimizer.param_groups):
+            run_group.update(_options(group))
         self.optimizer.step()
         for g in self._groups:
             for run in g.runs:

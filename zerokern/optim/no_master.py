@@ -13,7 +13,7 @@ bf16. So with every rank on the same batch the params and state are torch's on a
 bf16 model bit for bit (tests/optim/test_zero_optimizer_no_master.py), which is what a user
 switching from a plain bf16 run expects, and the state dict is that run's (bf16 tensors).
 Bytes per element a rank holds: fp32 master 4 -> 0, and the state at 2 a value instead of 4
-(AdamW 16 -> 4, Muon 8 -> 2: docs/matrix_optimizers.md has the measured table).
+(master + state: AdamW 12 -> 4, Muon 8 -> 2; docs/matrix_optimizers.md has the measured table).
 
 How it differs from FusedZeroAdam(master_weights=False): that kernel reads bf16 params and
 moments into fp32 registers, updates there, and writes the param back with stochastic rounding

@@ -10,6 +10,7 @@ import glob
 import json
 import os
 import platform
+import socket
 import statistics
 import time
 
@@ -61,6 +62,13 @@ def interleaved(fns, device, rounds, warmup=1, progress=None, time_limit_s=None,
         if progress is not None:
             progress.update(1)
     return times
+
+
+def free_port():
+    """A TCP port free on this machine now, for a multi-process benchmark's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def summary(seconds):

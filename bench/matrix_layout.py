@@ -108,11 +108,16 @@ def main(argv=None):
     print(f"{args.model}, fp32 (4 bytes/element), align 16; python {platform.python_version()}")
     head = ("world", "cost", "cap_mb", "span", "params", "plan_layout_padded", "matrix_padded", "extra_bytes",
             "extra_pct", "buckets", "plan_layout_buckets", "largest_bucket_mb", "largest_matrix_bucket_mb", "balance", "plan_s")
+    write_rows(rows, head, args.json)
+
+
+def write_rows(rows, head, path):
+    """Print rows as CSV (columns `head`), and write them with this run's arguments as JSON to path."""
     print(",".join(head))
     for r in rows:
         print(",".join(f"{r[h]:.4f}" if isinstance(r[h], float) else f"{r[h]}" for h in head))
-    if args.json:
-        with open(args.json, "w") as f:
+    if path:
+        with open(path, "w") as f:
             json.dump({"argv": sys.argv[1:], "rows": rows}, f, indent=1)
 
 

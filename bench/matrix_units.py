@@ -12,15 +12,13 @@ max/mean (each unit's owners are balanced within the unit).
 """
 
 import argparse
-import json
 import math
 import platform
-import sys
 
 from zerokern.zero.core.layout import plan_layout
 from zerokern.zero.core.matrix_layout import plan_matrix_layout
 
-from matrix_layout import gpt_shapes
+from matrix_layout import gpt_shapes, write_rows
 
 
 def units(layers=12, d=768, per_unit=1):
@@ -73,13 +71,7 @@ def main(argv=None):
     rows = [row(w, args.cap_mb, k) for k in args.blocks_per_unit for w in args.worlds]
     print(f"12-layer GPT, d=768, a unit per run of blocks and the root; fp32, align 16; "
           f"python {platform.python_version()}")
-    head = list(rows[0])
-    print(",".join(head))
-    for r in rows:
-        print(",".join(f"{r[h]:.4f}" if isinstance(r[h], float) else f"{r[h]}" for h in head))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"argv": sys.argv[1:], "rows": rows}, f, indent=1)
+    write_rows(rows, list(rows[0]), args.json)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,6 @@ import contextlib
 import copy
 import json
 import os
-import socket
 import sys
 import tempfile
 import threading
@@ -295,12 +294,6 @@ def worker(rank, world, init, args, out):
     dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", type=int, default=4)
@@ -315,7 +308,7 @@ def main(argv=None):
     ap.add_argument("--shared-tmp", help="where the checkpoints go (default: rank 0's temporary directory)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    args.port = _free_port()
+    args.port = H.free_port()
     load0 = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
@@ -329,9 +322,11 @@ def main(argv=None):
           f"after {os.getloadavg()[0]:.2f}")
     for k in ("zerokern-muon", "zerokern-adamw"):
         if k in res:
-            b = res[k]["bytes"]
+            b, ck = res[k]["bytes"], res[k]["checkpoint"]
             print(f"  {k:22s} ring bytes per rank and step {b['ring_bytes_per_rank']:,.0f}  "
                   f"({', '.join(f'{n} x{c[0]}' for n, c in b['collectives'].items())})")
+            print(f"  {k:22s} state_dict() {ck['state_dict']['median_ms']:.1f} ms, dcp.save "
+                  f"{ck['dcp_save']['median_ms']:.1f} ms, collectives {ck['state_dict_collectives']}")
     if "zerokern-muon" in res and "zerokern-adamw" in res:
         a, b = res["zerokern-muon"]["bytes"]["ring_bytes_per_rank"], res["zerokern-adamw"]["bytes"]["ring_bytes_per_rank"]
         print(f"  Muon+AdamW / ZeRO-2 AdamW bytes: {a / b:.4f}")
@@ -339,11 +334,6 @@ def main(argv=None):
         ns = res["zerokern-muon"]["ns"]
         print(f"  NS cost per rank {ns['cost_per_rank']} max/mean {ns['max_over_mean']:.3f}; matrices per rank "
               f"{ns['matrices_per_rank']}; NS runs in one step {ns['stepped_in_one_step']} (matrices {ns['matrices']})")
-    for k in ("zerokern-muon", "zerokern-adamw"):
-        if k in res:
-            c = res[k]["checkpoint"]
-            print(f"  {k:22s} state_dict() {c['state_dict']['median_ms']:.1f} ms, dcp.save "
-                  f"{c['dcp_save']['median_ms']:.1f} ms, collectives {c['state_dict_collectives']}")
     for k, e in res["errors"].items():
         print(f"  {k:22s} not run: {e}")
     for r in res["rows"]:

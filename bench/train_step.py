@@ -55,7 +55,6 @@ import argparse
 import contextlib
 import copy
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -330,12 +329,6 @@ def worker(rank, world, init, args, out):
     dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", type=int, default=2)
@@ -357,7 +350,7 @@ def main(argv=None):
     ap.add_argument("--json")
     ap.add_argument("--plot")
     args = ap.parse_args(argv)
-    args.port = _free_port()
+    args.port = H.free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.pt")
         mp.start_processes(worker, args=(args.world, f"file://{tmp}/store", args, out), nprocs=args.world,

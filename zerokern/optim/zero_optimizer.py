@@ -35,7 +35,8 @@ state in self.state[p] as views of the file ([Note: inner state on disk] in opti
 
 import torch
 
-from . import inner_set, inner_state, lowbit_momentum, whole_state, wire_checkpoint
+from . import inner_set, inner_state, lowbit_momentum, no_master, whole_state, wire_checkpoint
+from .flat_runs import FlatRuns
 from .inner_set import InnerSet
 from .inner_stream import InnerStream
 from . import state_dict as checkpoint
@@ -87,7 +88,9 @@ class ZeroOptimizer(EngineOptimizer):
     vouches for an optimizer class not known here to update each element on its own. A Muon
     group with "state_precision": "int8" (or state_precision="int8" where Muon is the default
     class) keeps its momentum in int8 blocks ([Note: int8 momentum of whole matrices] in
-    optim/lowbit_momentum.py)."""
+    optim/lowbit_momentum.py). master_weights=False: bf16 params keep no fp32 master, the inner
+    optimizer steps them (and keeps its state) in bf16 as torch does on one process ([Note: bf16
+    params without masters] in optim/no_master.py)."""
 
     def __init__(self, params, optimizer_class, *, max_grad_norm=None, elementwise=None, **kwargs):
         if max_grad_norm is not None and not 0 < float(max_grad_norm) < float("inf"):
@@ -96,6 +99,7 @@ class ZeroOptimizer(EngineOptimizer):
         self.optimizer_class, self.max_grad_norm = optimizer_class, max_grad_norm
         self._why = {}  # class -> why it reads whole tensors (None: elementwise)
         precision = kwargs.pop(lowbit_momentum.OPTION, None)  # [Note: int8 momentum of whole matrices]
+        self.master_weights = no_master.popped(kwargs)  # [Note: bf16 params without masters]
         defaults = self._checked_class(optimizer_class, elementwise, kwargs)
         groups = validated_groups(params)
         for gi, g in enumerate(groups):  # [Note: mixed groups]: a group's own class, and its defaults
@@ -119,11 +123,13 @@ class ZeroOptimizer(EngineOptimizer):
                              f"the param groups name {len(set(self._classes))} classes; use "
                              "OffloadPolicy(device='cpu') or none")
         options = (optimizer_class.__name__, [c.__name__ for c in self._classes], kwargs, self._members(names),
-                   [g.get(lowbit_momentum.OPTION) for g in self.param_groups])
+                   [g.get(lowbit_momentum.OPTION) for g in self.param_groups], self.master_weights)
         self.engine = ZeroEngine(self, [g["params"] for g in self.param_groups], names, state_keys=(),
                                  what="ZeroOptimizer", options=repr(options),
                                  disk_state_keys=[k for k, dt in elements.items() if dt == torch.float32],
-                                 matrices=matrices, **sharding)
+                                 matrices=matrices, master_weights=self.master_weights, **sharding)
+        if not self.master_weights:
+            no_master.check(self.engine, names, self.param_groups)
         trainable = self.engine.trainable
         group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
         # [Note: whole matrices on their owners]: the trainable params a matrix class steps whole
@@ -140,7 +146,8 @@ class ZeroOptimizer(EngineOptimizer):
             for k, (t, off, n, start) in enumerate(pieces):
                 self._where[t], self._at[t] = (s, off, n, start), k
         stores = self.engine.stores
-        # a leaf view: the inner optimizer's param; 1-D, or the param's shape where it is whole
+        # a leaf view: the inner optimizer's param; 1-D, or the param's shape where it is whole. Of the
+        # fp32 master, or without one of the bf16 param shard ([Note: bf16 params without masters])
         self._piece = {t: stores[w[0]].master[w[1]:w[1] + w[2]].view(self._piece_shape(t))
                        for t, w in enumerate(self._where)}
         ts_of = [[] for _ in self.param_groups]  # per param group, its pieces' trainable indices
@@ -180,6 +187,18 @@ class ZeroOptimizer(EngineOptimizer):
         else:
             self._momentum.settle()  # codes, never an fp32 buffer
             inner_set.make_initial_state(self.inner, self._stepped(), inner_state.make_initial_state)
+        # [Note: element-wise pieces as runs] in optim/flat_runs.py: torch's element-wise classes' groups
+        runs = {} if self._disk is not None else {c: [] for c in inner_classes if c in _ELEMENTWISE}
+        for k, (gi, ts) in enumerate(zip(self._inner_groups, self._inner_ts)):
+            if self._classes[gi] in runs:
+                runs[self._classes[gi]].append((self.inner.param_groups[k], [
+                    (t, self._piece[t], self._where[t][0], stores[self._where[t][0]].master, *self._where[t][1:3])
+                    for t in ts]))
+        self._runs = [FlatRuns(c, args[c], groups, self.inner) for c, groups in runs.items() if groups]
+        in_runs = {t for k, gi in enumerate(self._inner_groups) if self._classes[gi] in runs for t in self._inner_ts[k]}
+        # the pieces stepped one by one every step: the rest but for the empty ones of matrices owned elsewhere
+        self._one_by_one = [t for t in self._piece if t not in in_runs and not (t in self._whole and
+                                                                                self._where[t][2] == 0)]
         self._sync_state()
 
     def _checked_class(self, cls, elementwise, options, where=None):
@@ -261,20 +280,24 @@ class ZeroOptimizer(EngineOptimizer):
                 store.refresh_master()
             _, grad, model = store.operands()  # once: an offloaded store copies the grad to the CPU here
             models.append(model)
-            # a copy: the reduced grad can be what .grad shows (stage 0) and must not change under it
-            g = grad.to(torch.float32, copy=True)
+            # [Note: the grad of a piece] a copy: the reduced grad can be what .grad shows (stage 0) and
+            # must not change under it. In the master's dtype: fp32, or bf16 without masters, unscaled
+            # and clipped in fp32 and then rounded once ([Note: bf16 params without masters])
+            g = grad.to(torch.float32 if divisor is not None else store.master.dtype, copy=True)
             if divisor is not None:
-                g.div_(divisor.to(g.device))
+                g = g.div_(divisor.to(g.device)).to(store.master.dtype)
             grads.append(g)
-        for t, piece in self._piece.items():
+        one_by_one = self._one_by_one + [t for runs in self._runs for t in runs.set_grads(had, grads)]
+        for t in one_by_one:
             s, off, n, _ = self._where[t]
-            if t in self._whole and n == 0:  # another rank owns the matrix ([Note: whole matrices on their owners])
-                continue
+            piece = self._piece[t]
             piece.grad = grads[s][off:off + n].view(piece.shape) if had[t] else None
             self.matrices_stepped += t in self._whole and had[t]
+        for runs in self._runs:
+            runs.step()
         self._momentum.step(self.inner)  # self.inner.step(), int8 momenta decoded a matrix at a time
-        for piece in self._piece.values():
-            piece.grad = None
+        for t in one_by_one:
+            self._piece[t].grad = None
         for store, model in zip(stores, models):
             if model is not None:  # fp16/bf16 params (or an offloaded copy): round the new masters to nearest
                 model.copy_(store.master)
@@ -302,7 +325,11 @@ class ZeroOptimizer(EngineOptimizer):
             st = inner_state.with_placeholders(self.inner.state[piece], self._late[t], piece, self._class_of(t),
                                                self._member(t)[1] or f"params[{index[p]}]")
             st = lowbit_momentum.in_torch_layout(st)  # int8 momentum: torch's fp32 momentum_buffer
-            sd["state"][index[p]] = st
+            # scalars copied: a run's pieces share theirs ([Note: element-wise pieces as runs]), and dcp.load
+            # writes each entry in place
+            sd["state"][index[p]] = {k: v.clone() if isinstance(v, torch.Tensor) and v.dim() == 0 else v
+                                     for k, v in st.items()}
+            st = sd["state"][index[p]]
             if not self.strategy.shards_state or t in self._whole:
                 continue
             _, _, n, start = self._where[t]
@@ -326,7 +353,8 @@ class ZeroOptimizer(EngineOptimizer):
     def _state_layout(self, t):
         """whole_state.state_layout of trainable param t (stepped whole): torch's state of it."""
         gi = self._group_t[t]
-        return whole_state.state_layout(self._classes[gi], _keys(self.param_groups[gi]), tuple(self._shape(t)))
+        return whole_state.state_layout(self._classes[gi], _keys(self.param_groups[gi]), tuple(self._shape(t)),
+                                        self._piece[t].dtype)  # bf16 without masters, as torch keeps it
 
     def _class_of(self, t):
         """The optimizer class that steps trainable param t ([Note: mixed groups])."""
@@ -423,6 +451,8 @@ class ZeroOptimizer(EngineOptimizer):
         self._momentum.settle()  # loaded int8 momenta encoded
         # the params the dict had none of
         inner_set.make_initial_state(self.inner, self._stepped(), inner_state.make_initial_state)
+        for runs in self._runs:  # the pieces' state is new: bound to the runs again at the next step
+            runs.unbind_all()
         if self._disk is not None:
             self._disk.to_disk(range(len(self._where)))  # the loaded values into the current slot
         self._sync_state()

@@ -1,0 +1,28 @@
+"""ZeroOptimizer steps torch's element-wise param groups as flat runs of its fp32 master ([Note:
+element-wise pieces as runs] in zerokern/optim/flat_runs.py): bit for bit one-process torch, also
+when params miss grads in some steps (a group unbound, bound again, or stepped piece by piece)."""
+
+import pytest
+
+import dist_harness
+import flat_runs_workers as W
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("name", sorted(W.OPTIMIZERS))
+def test_runs_step_as_one_process_torch_bit_for_bit(name, stage):
+    for rank, r in enumerate(dist_harness.values(dist_harness.run(W.train, 2, name, stage, timeout=120))):
+        # every rank on the same batch: the reduced grads are one process's exactly
+        assert r["same"], (rank, r["diff"])
+        assert all(a == b for a, b in r["scalars"].values()), (rank, r["scalars"])
+        assert r["scalars"] or name == "sgd", "Adam's step, NAdam's mu_product: compared"
+        assert r["elements"] and all(r["elements"]), (rank, r["elements"])
+        assert r["untouched"], "state_dict() hands out copies of the scalars the runs share"
+        assert r["runs"] < r["pieces"], r
+        a, b, c = zip(*r["bound"])  # per step: groups A, B, C bound to their runs
+        assert all(a), "A always steps"
+        assert b == (True, False, True, False, True, False), "B unbinds where it has no grad, binds again"
+        if name == "sgd":  # no per-param scalars: C binds again as B does
+            assert c == b
+        else:
+            assert c == (True, False, False, False, False, False), "C's scalars differ after its first skip"

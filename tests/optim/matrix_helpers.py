@@ -1,7 +1,8 @@
 """Helpers the matrix-optimizer tests share (torch.optim.Muon and torch.optim.Adafactor under
 ZeroOptimizer): the one-process set-up and training loop, a one-process reference stepping fp32
 masters as zerokern keeps them, one step of a reference beside a ZeroOptimizer, and what the
-multi-rank tests assert of each rank's results (check_ranks)."""
+multi-rank tests assert of each rank's results (check_ranks); CountNS counts torch's Newton-Schulz
+calls."""
 
 from typing import NamedTuple
 
@@ -77,6 +78,34 @@ class Masters:
             o.step()
         for p, m in zip(self.params, self.masters):
             p.copy_(m)
+
+
+class CountNS:
+    """Counts the calls of torch's Newton-Schulz (the function torch.optim.Muon's step calls once
+    per param it updates) while `on` is set: zerokern's steps, not the reference's."""
+
+    def __init__(self):
+        import torch.optim._muon as torch_muon  # here: torch before 2.9 has none, and the Adafactor tests run there
+
+        self._module = torch_muon
+        self.on, self.calls, self._real = False, 0, torch_muon._zeropower_via_newtonschulz
+        torch_muon._zeropower_via_newtonschulz = self._counted
+
+    def _counted(self, *args, **kwargs):
+        self.calls += self.on
+        return self._real(*args, **kwargs)
+
+    def step(self, step):
+        """Run step() (the optimizer's step, or scaler.step(opt)) and return the NS calls it made."""
+        before, self.on = self.calls, True
+        try:
+            step()
+        finally:
+            self.on = False
+        return self.calls - before
+
+    def close(self):
+        self._module._zeropower_via_newtonschulz = self._real
 
 
 class RankResult(NamedTuple):

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import zerokern
-from matrix_helpers import RankResult, owned_whole, state_diff
+from matrix_helpers import CountNS, RankResult, owned_whole, state_diff
 from zerokern.optim.lowbit_momentum import CODES, SCALES, decode_rows, encode_rows
 
 STEPS = 20
@@ -141,8 +141,9 @@ def same_batch(rank, world, cases, split=False, int8=False):
     wide. split: each rank trains on its own share of every batch (rank r the r-th of world equal
     row blocks: the mean of the ranks' means is the whole batch's), the reference on the whole
     batch. int8: Muon's momentum in int8 (each owned matrix's state is checked to be its codes and
-    scales only). Per case: a matrix_helpers.RankResult (the state: Muon's momentum and AdamW's
-    moments in state_dict(), torch's layout)."""
+    scales only). Each rank checks that torch's Newton-Schulz ran as often as matrices_stepped
+    counts. Per case: a matrix_helpers.RankResult (the state: Muon's momentum and AdamW's moments
+    in state_dict(), torch's layout)."""
     out = []
     for stage, mesh, dtype, how in cases:
         wide = world == 4 and mesh is None
@@ -152,13 +153,18 @@ def same_batch(rank, world, cases, split=False, int8=False):
             ref.load_state_dict(zerokern.full_state_dict(model, rank0_only=False))
         ref_opt = _Reference(ref, int8)
         share = len(_batches()[0]) // world
-        for x in _batches():
-            ref_opt.zero_grad()
-            ref(x).backward()
-            ref_opt.step()
-            opt.zero_grad()
-            model(x[rank * share:(rank + 1) * share] if split else x).backward()
-            opt.step()
+        ns = CountNS()
+        try:
+            for x in _batches():
+                ref_opt.zero_grad()
+                ref(x).backward()
+                ref_opt.step()
+                opt.zero_grad()
+                model(x[rank * share:(rank + 1) * share] if split else x).backward()
+                ns.step(opt.step)
+        finally:
+            ns.close()
+        assert ns.calls == opt.matrices_stepped, f"rank {rank}: NS ran {ns.calls} times, {opt.matrices_stepped} counted"
         full = zerokern.full_state_dict(model, rank0_only=False)
         diff = max((full[n].float() - q.float()).abs().max().item() for n, q in ref.state_dict().items())
         if int8:  # between steps an owner holds its matrices' codes and scales, no fp32 momentum

@@ -9,7 +9,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import matrix_kinds_workers as K
-import zerokern
 
 SAVE_AT, STEPS = 3, 5
 

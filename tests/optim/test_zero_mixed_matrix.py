@@ -21,25 +21,20 @@ pytestmark = pytest.mark.skipif(not (hasattr(torch.optim, "Muon") and hasattr(to
                                 reason="torch.optim.Muon is torch 2.9+")
 
 
-# every rank reduces the same grads (a sum of equal terms over a power of two ranks is exact), so
-# each optimizer sees one process's inputs: the same bits, params and state (bf16: the reference
-# steps fp32 masters rounded to nearest, as zerokern keeps them)
-def _check(out, cases, world, shard_size):
-    H.check_ranks(out, cases, world, shard_size, K.U.STEPS, lambda dtype: (0.0, 0.0))
-
-
 @pytest.mark.parametrize("stage, how, dtype", [(2, "optimizer", torch.float32), (2, "dict", torch.float32),
                                                (3, "dict", torch.float32), (3, "predicate", torch.bfloat16)])
 def test_muon_adafactor_and_adamw_on_two_ranks_are_one_process_torch(stage, how, dtype):
     cases = [(stage, None, dtype, how)]
-    _check(dist_harness.values(dist_harness.run(K.same_batch, 2, "mixed", cases, timeout=300)), cases, 2, 2)
+    out = dist_harness.values(dist_harness.run(K.same_batch, 2, "mixed", cases, timeout=300))
+    H.check_ranks(out, cases, 2, 2, K.U.STEPS, H.same_bits)
 
 
 def test_a_2x2_mesh_is_one_process_torch_muon_adafactor_and_adamw():
     """Stage 2 (the optimizer's layout) and stage 3 (units, {param: kind}) in one 4-rank run: each
     shard group of 2 steps each whole param once a step."""
     cases = [(2, (2, 2), torch.float32, "optimizer"), (3, (2, 2), torch.float32, "dict")]
-    _check(dist_harness.values(dist_harness.run(K.same_batch, 4, "mixed", cases, timeout=500)), cases, 4, 2)
+    out = dist_harness.values(dist_harness.run(K.same_batch, 4, "mixed", cases, timeout=500))
+    H.check_ranks(out, cases, 4, 2, K.U.STEPS, H.same_bits)
 
 
 def test_state_dict_on_two_ranks_is_torch_layout_both_ways(tmp_path):

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 import muon_units_workers as U
 import zerokern
+from matrix_helpers import RankResult, owned_whole, state_diff
 
 ADAFACTOR = dict(lr=0.02, weight_decay=0.01, d=1.5, beta2_decay=-0.7)
 OPTIONS = {"muon": U.MUON, "adafactor": ADAFACTOR}
@@ -80,23 +81,24 @@ def _built(scenario, stage, mesh, dtype, how):
 
 
 def same_batch(rank, world, scenario, cases):
-    """cases: [(stage, mesh, dtype, how)]. Per case: (max |param - reference| over the full state
-    dict, matrices this rank stepped, how many params the optimizer steps whole, the full state
-    dict, the ranks of this rank's shard group)."""
+    """cases: [(stage, mesh, dtype, how)]. Per case: a matrix_helpers.RankResult (the state: every
+    class's, in state_dict())."""
     out = []
     for stage, mesh, dtype, how in cases:
         model, opt = _built(scenario, stage, mesh, dtype, how)
-        diff, full, whole = against_reference(scenario, model, opt, dtype)
+        diff, state, full, whole = against_reference(scenario, model, opt, dtype)
         group = dist.get_process_group_ranks(opt.engine.comm.group)
-        out.append((diff, opt.matrices_stepped, whole, {n: v.clone() for n, v in full.items()}, group))
+        out.append(RankResult(diff, state, opt.matrices_stepped, owned_whole(opt), whole,
+                              {n: v.clone() for n, v in full.items()}, group))
         del opt, model
     return out
 
 
 def against_reference(scenario, model, opt, dtype):
     """STEPS steps of model and opt beside one-process torch optimizers on the same batches:
-    (max |param - reference| over the full state dict, the full state dict, how many params the
-    optimizer steps whole)."""
+    (max |param - reference| over the full state dict, max |state - reference's| over
+    opt.state_dict() (a collective), the full state dict, how many params the optimizer steps
+    whole)."""
     ref = U._net(dtype)
     ref_opt = _Reference(scenario, ref)
     for x in U._batches():
@@ -108,7 +110,8 @@ def against_reference(scenario, model, opt, dtype):
         opt.step()
     full = zerokern.full_state_dict(model, rank0_only=False)
     diff = max((full[n].float() - q.float()).abs().max().item() for n, q in ref.state_dict().items())
-    return diff, full, sum(k is not None for k in _kinds(scenario, ref).values())
+    state = state_diff(opt.state_dict(), ref_opt.opts)
+    return diff, state, full, sum(k is not None for k in _kinds(scenario, ref).values())
 
 
 def refused(rank, world, scenario, which):
@@ -132,29 +135,3 @@ def refused(rank, world, scenario, which):
     except ValueError as e:
         return str(e)
     return None
-
-
-def check(out, cases, world, shard_size):
-    """What both test files assert of same_batch's results: every rank's params bit-identical to
-    the one-process run's and to rank 0's, and each whole param stepped once a step in each shard
-    group (a mesh's replicas each step it: hybrid sharding)."""
-    for k, (stage, mesh, dtype, how) in enumerate(cases):
-        case = f"stage {stage}, mesh {mesh}, {dtype}, {how}"
-        per_group = {}
-        for rank, o in enumerate(out):
-            diff, stepped, _, _, group = o[k]
-            # every rank reduces the same grads (a sum of equal terms over a power of two ranks is exact),
-            # so each optimizer sees one process's inputs: the same bits (bf16: the reference steps fp32
-            # masters rounded to nearest, as zerokern keeps them)
-            assert diff == 0.0, f"{case}, rank {rank}: params {diff} from one-process torch"
-            assert len(group) == shard_size
-            per_group.setdefault(tuple(group), []).append(stepped)
-        assert len(per_group) == world // shard_size
-        whole = out[0][k][2]
-        for group, stepped in per_group.items():
-            assert sum(stepped) == U.STEPS * whole, f"{case}, shard group {group}: {stepped} for {whole} params"
-            assert all(stepped), f"{case}, shard group {group}: a rank owns no whole param"
-        first = out[0][k][3]
-        for rank, o in enumerate(out):
-            for name, v in o[k][3].items():
-                assert torch.equal(v, first[name]), f"{case}: rank {rank}'s {name} differs from rank 0's"

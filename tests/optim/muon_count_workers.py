@@ -4,37 +4,12 @@ GradScaler skips a step and under no_sync accumulation at stage 3. The model, it
 one-process reference are muon_units_workers.py's; every rank on the same batch."""
 
 import torch
-import torch.optim._muon as torch_muon
 
 import muon_units_workers as w
 import zerokern
+from matrix_helpers import CountNS
 
 BAD = 1  # the step whose grads hold an inf on rank 1 only
-
-
-class CountNS:
-    """Counts the calls of torch's Newton-Schulz (the function torch.optim.Muon's step calls once
-    per param it updates) while `on` is set: zerokern's steps, not the reference's."""
-
-    def __init__(self):
-        self.on, self.calls, self._real = False, 0, torch_muon._zeropower_via_newtonschulz
-        torch_muon._zeropower_via_newtonschulz = self._counted
-
-    def _counted(self, *args, **kwargs):
-        self.calls += self.on
-        return self._real(*args, **kwargs)
-
-    def step(self, step):
-        """Run step() (the optimizer's step, or scaler.step(opt)) and return the NS calls it made."""
-        before, self.on = self.calls, True
-        try:
-            step()
-        finally:
-            self.on = False
-        return self.calls - before
-
-    def close(self):
-        torch_muon._zeropower_via_newtonschulz = self._real
 
 
 def _how(stage):

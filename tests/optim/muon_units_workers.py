@@ -1,12 +1,16 @@
 """Per-rank bodies of test_zero_muon_units.py: ZeroOptimizer with a torch.optim.Muon group and an
 AdamW group at stage 3 (zerokern.shard units laid out with matrices=) and on a (replicate, shard)
-mesh, every rank on the same batch, against one-process torch.optim.Muon + torch.optim.AdamW."""
+mesh, every rank on the same batch, against one-process torch.optim.Muon + torch.optim.AdamW
+(int8=True: the Muon group keeps its momentum in int8, the reference rounds its momentum through
+the same blocks after each step, as test_zero_muon_int8.py's oracle)."""
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 import zerokern
+from matrix_helpers import CountNS, RankResult, owned_whole, state_diff
+from zerokern.optim.lowbit_momentum import CODES, SCALES, decode_rows, encode_rows
 
 STEPS = 20
 MUON = dict(lr=0.02, weight_decay=0.01, momentum=0.9)
@@ -65,9 +69,13 @@ def _net(dtype, wide=False):
 class _Reference:
     """torch.optim.Muon on the hidden matrices and torch.optim.AdamW on the rest, on fp32 masters
     of the params as zerokern keeps them (for fp32 params, the params themselves): the step reads
-    the grads as fp32, the params are the masters rounded to nearest."""
+    the grads as fp32, the params are the masters rounded to nearest. int8: Muon's momentum rounded
+    through the int8 blocks after each step."""
 
-    def __init__(self, model):
+    int8 = False  # subclasses that build their own optimizers keep fp32 momentum
+
+    def __init__(self, model, int8=False):
+        self.int8 = int8
         self.params = list(model.parameters())
         fp32 = self.params[0].dtype == torch.float32
         self.masters = self.params if fp32 else [p.detach().float().requires_grad_() for p in self.params]
@@ -87,16 +95,20 @@ class _Reference:
                 m.grad = p.grad.float()
         for o in self.opts:
             o.step()
+        if self.int8:
+            for st in self.opts[0].state.values():
+                st["momentum_buffer"].copy_(decode_rows(*encode_rows(st["momentum_buffer"])))
         if self.masters is not self.params:
             for p, m in zip(self.params, self.masters):
                 p.copy_(m)
 
 
-def _built(stage, mesh, dtype, how, wide):
+def _built(stage, mesh, dtype, how, wide, int8=False):
     """A model and its ZeroOptimizer. how: "optimizer" (stages 1/2: the optimizer lays the matrices
     out), or units (each block and the root) with the matrices named to shard() by "list" (the
     param list) or "predicate"; "meta": a meta-device model, materialised by shard(), its matrices
-    named by a predicate (a list made before would name the meta params)."""
+    named by a predicate (a list made before would name the meta params). int8: the Muon group's
+    momentum in int8."""
     if how == "meta":
         with torch.device("meta"):
             model = Net(wide).to(dtype)
@@ -114,8 +126,8 @@ def _built(stage, mesh, dtype, how, wide):
     else:
         kw = dict(zero_stage=stage, bucket_cap_mb=1e-4, **where)
     mine, rest = _groups(model)
-    opt = zerokern.ZeroOptimizer([{"params": mine, "optimizer": torch.optim.Muon, **MUON},
-                                  {"params": rest, **ADAMW}], torch.optim.AdamW, **kw)
+    muon = {"params": mine, "optimizer": torch.optim.Muon, **MUON, **({"state_precision": "int8"} if int8 else {})}
+    opt = zerokern.ZeroOptimizer([muon, {"params": rest, **ADAMW}], torch.optim.AdamW, **kw)
     return model, opt
 
 
@@ -124,39 +136,45 @@ def _batches():
     return [torch.randint(0, 11, (8, 5), generator=g) for _ in range(STEPS)]
 
 
-def same_batch(rank, world, cases, split=False):
+def same_batch(rank, world, cases, split=False, int8=False):
     """cases: [(stage, mesh, dtype, how)] (how: _built's); on 4 ranks without a mesh the model is
     wide. split: each rank trains on its own share of every batch (rank r the r-th of world equal
     row blocks: the mean of the ranks' means is the whole batch's), the reference on the whole
-    batch. Per case: (max |param - reference| over the full state dict, matrices this rank
-    stepped, how many it owns, its full state dict, the ranks of its shard group, the largest
-    momentum difference from the reference's in the state dict, how many matrices the model has)."""
+    batch. int8: Muon's momentum in int8 (each owned matrix's state is checked to be its codes and
+    scales only). Each rank checks that torch's Newton-Schulz ran as often as matrices_stepped
+    counts. Per case: a matrix_helpers.RankResult (the state: Muon's momentum and AdamW's moments
+    in state_dict(), torch's layout)."""
     out = []
     for stage, mesh, dtype, how in cases:
         wide = world == 4 and mesh is None
-        model, opt = _built(stage, mesh, dtype, how, wide)
+        model, opt = _built(stage, mesh, dtype, how, wide, int8)
         ref = _net(dtype, wide)
         if how == "meta":  # the values shard() initialised (rank 0's, broadcast)
             ref.load_state_dict(zerokern.full_state_dict(model, rank0_only=False))
-        ref_opt = _Reference(ref)
+        ref_opt = _Reference(ref, int8)
         share = len(_batches()[0]) // world
-        for x in _batches():
-            ref_opt.zero_grad()
-            ref(x).backward()
-            ref_opt.step()
-            opt.zero_grad()
-            model(x[rank * share:(rank + 1) * share] if split else x).backward()
-            opt.step()
+        ns = CountNS()
+        try:
+            for x in _batches():
+                ref_opt.zero_grad()
+                ref(x).backward()
+                ref_opt.step()
+                opt.zero_grad()
+                model(x[rank * share:(rank + 1) * share] if split else x).backward()
+                ns.step(opt.step)
+        finally:
+            ns.close()
+        assert ns.calls == opt.matrices_stepped, f"rank {rank}: NS ran {ns.calls} times, {opt.matrices_stepped} counted"
         full = zerokern.full_state_dict(model, rank0_only=False)
         diff = max((full[n].float() - q.float()).abs().max().item() for n, q in ref.state_dict().items())
-        count = len(hidden(ref))
-        owned = [t for t, piece in opt._piece.items() if t in opt._whole and piece.numel()]
+        if int8:  # between steps an owner holds its matrices' codes and scales, no fp32 momentum
+            for p in hidden(model):
+                assert set(opt.state[p]) <= {CODES, SCALES}, sorted(opt.state[p])
+                assert not opt.state[p] or opt.state[p][CODES].dtype == torch.uint8
         sd = opt.state_dict()  # a collective: each matrix's momentum from its owner in the shard group
-        mom = max((sd["state"][k]["momentum_buffer"] - st["momentum_buffer"]).abs().max().item()
-                  for k, st in ref_opt.opts[0].state_dict()["state"].items())
         group = dist.get_process_group_ranks(opt.engine.comm.group)
-        out.append((diff, opt.matrices_stepped, len(owned), {n: v.clone() for n, v in full.items()}, group, mom,
-                    count))
+        out.append(RankResult(diff, state_diff(sd, ref_opt.opts), opt.matrices_stepped, owned_whole(opt),
+                              len(hidden(ref)), {n: v.clone() for n, v in full.items()}, group))
         del opt, model
     return out
 

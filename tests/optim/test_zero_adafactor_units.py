@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import dist_harness
+import matrix_helpers as H
 import matrix_kinds_workers as K
 import zerokern
 
@@ -21,13 +22,15 @@ pytestmark = pytest.mark.skipif(not hasattr(torch.optim, "Adafactor"), reason="t
 @pytest.mark.parametrize("dtype, how", [(torch.float32, "dict"), (torch.bfloat16, "predicate")])
 def test_stage_3_on_two_ranks_is_one_process_adafactor_and_adamw(dtype, how):
     cases = [(3, None, dtype, how)]
-    K.check(dist_harness.values(dist_harness.run(K.same_batch, 2, "adafactor", cases, timeout=300)), cases, 2, 2)
+    out = dist_harness.values(dist_harness.run(K.same_batch, 2, "adafactor", cases, timeout=300))
+    H.check_ranks(out, cases, 2, 2, K.U.STEPS, H.same_bits)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_a_2x2_mesh_is_one_process_adafactor_and_adamw(stage):
     cases = [(stage, (2, 2), torch.float32, "optimizer" if stage < 3 else "dict")]
-    K.check(dist_harness.values(dist_harness.run(K.same_batch, 4, "adafactor", cases, timeout=400)), cases, 4, 2)
+    out = dist_harness.values(dist_harness.run(K.same_batch, 4, "adafactor", cases, timeout=400))
+    H.check_ranks(out, cases, 4, 2, K.U.STEPS, H.same_bits)
 
 
 @pytest.mark.parametrize("which, message", [

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 import dist_harness
+import matrix_helpers as H
 import matrix_kinds_workers as K
+import mixed_checkpoint_workers as C
 import zerokern
 
 pytestmark = pytest.mark.skipif(not (hasattr(torch.optim, "Muon") and hasattr(torch.optim, "Adafactor")),
@@ -23,7 +25,49 @@ pytestmark = pytest.mark.skipif(not (hasattr(torch.optim, "Muon") and hasattr(to
                                                (3, "dict", torch.float32), (3, "predicate", torch.bfloat16)])
 def test_muon_adafactor_and_adamw_on_two_ranks_are_one_process_torch(stage, how, dtype):
     cases = [(stage, None, dtype, how)]
-    K.check(dist_harness.values(dist_harness.run(K.same_batch, 2, "mixed", cases, timeout=300)), cases, 2, 2)
+    out = dist_harness.values(dist_harness.run(K.same_batch, 2, "mixed", cases, timeout=300))
+    H.check_ranks(out, cases, 2, 2, K.U.STEPS, H.same_bits)
+
+
+def test_a_2x2_mesh_is_one_process_torch_muon_adafactor_and_adamw():
+    """Stage 2 (the optimizer's layout) and stage 3 (units, {param: kind}) in one 4-rank run: each
+    shard group of 2 steps each whole param once a step."""
+    cases = [(2, (2, 2), torch.float32, "optimizer"), (3, (2, 2), torch.float32, "dict")]
+    out = dist_harness.values(dist_harness.run(K.same_batch, 4, "mixed", cases, timeout=500))
+    H.check_ranks(out, cases, 4, 2, K.U.STEPS, H.same_bits)
+
+
+def test_state_dict_on_two_ranks_is_torch_layout_both_ways(tmp_path):
+    """The mixed optimizer's state_dict() at stage 2 on 2 ranks, saved with DCP after 3 steps: its
+    Muon and Adafactor state whole on every rank, in torch's shapes; one-process torch.optim.Muon,
+    Adafactor and AdamW load it (consolidated by dcp_to_torch_save) and take the uninterrupted
+    run's next 2 steps bit for bit; a fresh 2-rank ZeroOptimizer loads the dict those three give
+    (torch's layout, merged) and takes the same steps too."""
+    path, again = str(tmp_path / "ck"), str(tmp_path / "again.pt")
+    saved = dist_harness.values(dist_harness.run(C.save, 2, path, timeout=240))
+    plain = C.resume_plain(path, str(tmp_path / "full.pt"), again)
+    resumed = dist_harness.values(dist_harness.run(C.resume_from_torch, 2, again, timeout=240))
+    model = K.U._net(torch.float32)
+    torch_state = {}
+    for o in C.torch_optimizers(model):  # torch's own state shapes, made by one step on zero grads
+        for g in o.param_groups:
+            for p in g["params"]:
+                p.grad = torch.zeros_like(p)
+        o.step()
+        torch_state.update({len(torch_state) + k: {key: list(v.shape) for key, v in st.items()}
+                            for k, st in o.state_dict()["state"].items()})
+    kinds = [K.kind("mixed", n, p) for n, p in model.named_parameters()]
+    whole = sum(k is not None for k in kinds)
+    for rank, (_, shapes, classes) in enumerate(saved):
+        assert classes == [torch.optim.Muon, torch.optim.Adafactor, None], (rank, classes)
+        # groups Muon's, Adafactor's, AdamW's: the first `whole` indices are stepped whole
+        for k in range(whole):
+            assert shapes[k] == torch_state[k], f"rank {rank}: state[{k}] {shapes[k]}, torch's {torch_state[k]}"
+    want = saved[0][0]
+    for name, got in [*((f"rank {r}, uninterrupted", w) for r, (w, _, _) in enumerate(saved)),
+                      ("one-process torch", plain), *((f"rank {r}, from torch's", w) for r, w in enumerate(resumed))]:
+        diff = max((a - b).abs().max().item() for a, b in zip(got, want))
+        assert diff == 0.0, f"{name}: params {diff} from rank 0's uninterrupted run"
 
 
 @pytest.mark.parametrize("stage, how", [(2, "optimizer"), (3, "dict")])
@@ -31,8 +75,8 @@ def test_one_process_is_torch_muon_adafactor_and_adamw(stage, how):
     """On one shard every param is whole in any layout; the three classes still run as their own
     torch optimizers (InnerSet), each param stepped by its own."""
     model, opt = K._built("mixed", stage, None, torch.float32, how)
-    diff, _, whole = K.against_reference("mixed", model, opt, torch.float32)
-    assert diff == 0.0, f"params {diff} from one-process torch"
+    diff, state, _, whole = K.against_reference("mixed", model, opt, torch.float32)
+    assert diff == 0.0 and state == 0.0, f"params {diff}, state {state} from one-process torch"
     assert opt.matrices_stepped == K.U.STEPS * whole
 
 

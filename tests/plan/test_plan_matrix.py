@@ -56,6 +56,21 @@ def test_the_adam_column_is_the_busiest_ranks_state():
     assert p.stages[1].adam_bytes < adam.stages[1].adam_bytes  # one fp32 buffer for the matrices, not two
 
 
+@pytest.mark.parametrize("optimizer", ["muon", "adafactor"])
+def test_without_masters_the_state_is_bf16_and_there_is_no_master(optimizer):
+    """ZeroOptimizer(master_weights=False) on bf16 params: torch's optimizers keep their state in
+    bf16, 2 bytes a value (Muon's momentum 4 -> 2, Adafactor's statistics 4 -> 2, AdamW's two
+    moments 8 -> 4: measured in bench/no_master_memory.py), so each rank's state is half."""
+    a = plan(**TINY, dp=4, optimizer=optimizer)
+    b = plan(**TINY, dp=4, optimizer=optimizer, master_weights=False)
+    assert b.matrix.state_bytes == tuple(x / 2 for x in a.matrix.state_bytes)
+    assert b.matrix.state_bytes_unsharded == a.matrix.state_bytes_unsharded / 2
+    assert all(s.master_bytes == 0 for s in b.stages) and all(s.master_bytes > 0 for s in a.stages)
+    with pytest.raises(ValueError, match=r"master_weights=False keeps torch's optimizers' state in bf16.*"
+                                         r"state_precision='int8' has no meaning there"):
+        plan(**TINY, optimizer=optimizer, master_weights=False, state_precision="int8")
+
+
 def test_the_plan_is_the_layout_zero_optimizer_builds():
     """The planner's per-rank work follows the owners of plan_matrix_layout, which the runtime's
     plan_flat calls for a unit's matrix group (here: the whole model as one bf16 unit, no breaks)."""

@@ -16,8 +16,13 @@ def check_lowbit_options(policy, engine, names, backend):
                          "offload=None (the low-bit state is the smaller saving on the device)")
     if engine.trainable:
         lowbit_backend(backend, engine.trainable[0].device)  # one without a low-bit kernel says so here
-    if policy.master_weights:
-        return
+    if not policy.master_weights:
+        check_bf16_params(engine, names)
+
+
+def check_bf16_params(engine, names):
+    """master_weights=False (FusedZeroAdam's, ZeroOptimizer's) is for bf16 params: raise naming the
+    first param of another dtype. The ranks agree on the dtypes, so every rank raises alike."""
     for p in engine.trainable:
         if p.dtype == torch.bfloat16:
             continue

@@ -60,12 +60,13 @@ def check_whole_matrices(cls, why, params, names, sharding, two_d=True):
                          "use OffloadPolicy(device='cpu') or none")
 
 
-def state_layout(cls, options, shape):
+def state_layout(cls, options, shape, dtype=torch.float32):
     """{key: (shape, dtype, on the param's device)} of the tensors `cls` (with these param group
-    options) keeps for a param of `shape` before its first update: its own _init_group run on a
-    meta tensor, so no memory ([Note: whole state in checkpoints]). Adafactor's step is on the
-    CPU (torch keeps it there), the rest on the param's device."""
-    x = torch.zeros(shape, device="meta")
+    options) keeps for a param of `shape` and `dtype` (the piece's: bf16 without masters) before its
+    first update: its own _init_group run on a meta tensor, so no memory ([Note: whole state in
+    checkpoints]). Adafactor's step is on the CPU (torch keeps it there), the rest on the param's
+    device."""
+    x = torch.zeros(shape, device="meta", dtype=dtype)
     probe = cls([{**options, "params": [x]}])
     inner_state.make_initial_state(probe, [x])
     return {k: (tuple(v.shape), v.dtype, v.device.type == "meta") for k, v in probe.state[x].items()

@@ -35,7 +35,7 @@ state in self.state[p] as views of the file ([Note: inner state on disk] in opti
 
 import torch
 
-from . import inner_set, inner_state, lowbit_momentum, whole_state, wire_checkpoint
+from . import inner_set, inner_state, lowbit_momentum, no_master, whole_state, wire_checkpoint
 from .flat_runs import FlatRuns
 from .inner_set import InnerSet
 from .inner_stream import InnerStream
@@ -88,7 +88,9 @@ class ZeroOptimizer(EngineOptimizer):
     vouches for an optimizer class not known here to update each element on its own. A Muon
     group with "state_precision": "int8" (or state_precision="int8" where Muon is the default
     class) keeps its momentum in int8 blocks ([Note: int8 momentum of whole matrices] in
-    optim/lowbit_momentum.py)."""
+    optim/lowbit_momentum.py). master_weights=False: bf16 params keep no fp32 master, the inner
+    optimizer steps them (and keeps its state) in bf16 as torch does on one process ([Note: bf16
+    params without masters] in optim/no_master.py)."""
 
     def __init__(self, params, optimizer_class, *, max_grad_norm=None, elementwise=None, **kwargs):
         if max_grad_norm is not None and not 0 < float(max_grad_norm) < float("inf"):
@@ -97,6 +99,7 @@ class ZeroOptimizer(EngineOptimizer):
         self.optimizer_class, self.max_grad_norm = optimizer_class, max_grad_norm
         self._why = {}  # class -> why it reads whole tensors (None: elementwise)
         precision = kwargs.pop(lowbit_momentum.OPTION, None)  # [Note: int8 momentum of whole matrices]
+        self.master_weights = no_master.popped(kwargs)  # [Note: bf16 params without masters]
         defaults = self._checked_class(optimizer_class, elementwise, kwargs)
         groups = validated_groups(params)
         for gi, g in enumerate(groups):  # [Note: mixed groups]: a group's own class, and its defaults
@@ -120,11 +123,13 @@ class ZeroOptimizer(EngineOptimizer):
                              f"the param groups name {len(set(self._classes))} classes; use "
                              "OffloadPolicy(device='cpu') or none")
         options = (optimizer_class.__name__, [c.__name__ for c in self._classes], kwargs, self._members(names),
-                   [g.get(lowbit_momentum.OPTION) for g in self.param_groups])
+                   [g.get(lowbit_momentum.OPTION) for g in self.param_groups], self.master_weights)
         self.engine = ZeroEngine(self, [g["params"] for g in self.param_groups], names, state_keys=(),
                                  what="ZeroOptimizer", options=repr(options),
                                  disk_state_keys=[k for k, dt in elements.items() if dt == torch.float32],
-                                 matrices=matrices, **sharding)
+                                 matrices=matrices, master_weights=self.master_weights, **sharding)
+        if not self.master_weights:
+            no_master.check(self.engine, names, self.param_groups)
         trainable = self.engine.trainable
         group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
         # [Note: whole matrices on their owners]: the trainable params a matrix class steps whole
@@ -141,7 +146,8 @@ class ZeroOptimizer(EngineOptimizer):
             for k, (t, off, n, start) in enumerate(pieces):
                 self._where[t], self._at[t] = (s, off, n, start), k
         stores = self.engine.stores
-        # a leaf view: the inner optimizer's param; 1-D, or the param's shape where it is whole
+        # a leaf view: the inner optimizer's param; 1-D, or the param's shape where it is whole. Of the
+        # fp32 master, or without one of the bf16 param shard ([Note: bf16 params without masters])
         self._piece = {t: stores[w[0]].master[w[1]:w[1] + w[2]].view(self._piece_shape(t))
                        for t, w in enumerate(self._where)}
         ts_of = [[] for _ in self.param_groups]  # per param group, its pieces' trainable indices
@@ -274,10 +280,12 @@ class ZeroOptimizer(EngineOptimizer):
                 store.refresh_master()
             _, grad, model = store.operands()  # once: an offloaded store copies the grad to the CPU here
             models.append(model)
-            # a copy: the reduced grad can be what .grad shows (stage 0) and must not change under it
-            g = grad.to(torch.float32, copy=True)
+            # [Note: the grad of a piece] a copy: the reduced grad can be what .grad shows (stage 0) and
+            # must not change under it. In the master's dtype: fp32, or bf16 without masters, unscaled
+            # and clipped in fp32 and then rounded once ([Note: bf16 params without masters])
+            g = grad.to(torch.float32 if divisor is not None else store.master.dtype, copy=True)
             if divisor is not None:
-                g.div_(divisor.to(g.device))
+                g = g.div_(divisor.to(g.device)).to(store.master.dtype)
             grads.append(g)
         one_by_one = self._one_by_one + [t for runs in self._runs for t in runs.set_grads(had, grads)]
         for t in one_by_one:
@@ -319,8 +327,9 @@ class ZeroOptimizer(EngineOptimizer):
             st = lowbit_momentum.in_torch_layout(st)  # int8 momentum: torch's fp32 momentum_buffer
             # scalars copied: a run's pieces share theirs ([Note: element-wise pieces as runs]), and dcp.load
             # writes each entry in place
-            st = {k: v.clone() if isinstance(v, torch.Tensor) and v.dim() == 0 else v for k, v in st.items()}
-            sd["state"][index[p]] = st
+            sd["state"][index[p]] = {k: v.clone() if isinstance(v, torch.Tensor) and v.dim() == 0 else v
+                                     for k, v in st.items()}
+            st = sd["state"][index[p]]
             if not self.strategy.shards_state or t in self._whole:
                 continue
             _, _, n, start = self._where[t]
@@ -344,7 +353,8 @@ class ZeroOptimizer(EngineOptimizer):
     def _state_layout(self, t):
         """whole_state.state_layout of trainable param t (stepped whole): torch's state of it."""
         gi = self._group_t[t]
-        return whole_state.state_layout(self._classes[gi], _keys(self.param_groups[gi]), tuple(self._shape(t)))
+        return whole_state.state_layout(self._classes[gi], _keys(self.param_groups[gi]), tuple(self._shape(t)),
+                                        self._piece[t].dtype)  # bf16 without masters, as torch keeps it
 
     def _class_of(self, t):
         """The optimizer class that steps trainable param t ([Note: mixed groups])."""

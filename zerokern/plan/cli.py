@@ -149,7 +149,8 @@ def render(p, marked=None, bandwidth_assumed=False):
     lines = [f"zerokern plan: {p.params_total:.4g} params in all, {p.params_per_gpu:.4g} on each GPU; "
              f"dp={p.dp} tp={p.tp} pp={p.pp}, {p.dtype}, "
              + (f"Adam with {p.state_precision} moments" if p.matrix is None else
-                f"{_NAMES[p.optimizer]} on the layers' matrices, AdamW with {p.state_precision} moments on the rest")
+                f"{_NAMES[p.optimizer]} on the layers' matrices, AdamW with "
+                f"{p.state_precision if p.master_weights else 'bf16'} moments on the rest")
              + ("" if p.master_weights or p.dtype == "fp32" else ", no fp32 masters")
              + ({"cpu": ", optimizer offloaded to CPU", "nvme": ", optimizer state on disk (nvme)"}.get(
                  p.offload_optimizer, "")),
@@ -287,7 +288,8 @@ def _matrix_lines(p):
     if m is None:
         return []
     name = _NAMES[m.optimizer]
-    state = "an fp32 momentum" if m.optimizer == "muon" else "fp32 row and column statistics"
+    kind = "fp32" if p.master_weights else "bf16"  # without masters torch keeps bf16 state
+    state = f"a {kind} momentum" if m.optimizer == "muon" else f"{kind} row and column statistics"
     work = (f"Newton-Schulz per step, GFLOP per rank: max {max(m.work) / 1e9:.3g}, mean "
             f"{sum(m.work) / len(m.work) / 1e9:.3g}" if m.optimizer == "muon" else
             f"elements per step per rank: max {max(m.work):.4g}, mean {sum(m.work) / len(m.work):.4g}")

@@ -16,7 +16,10 @@ dtype) and reads each rank's share off the layout:
 - padding: equal shards of buckets whose slots hold whole matrices ([Note: whole matrices in
   equal shards]); reported, and in the sharded columns' bytes it is not counted.
 The Muon group's momentum is fp32 whatever --state-precision says (that sets AdamW's moments):
-low-bit momentum is not built.
+low-bit momentum is not planned. Without fp32 masters (ZeroOptimizer(master_weights=False), bf16
+params: [Note: bf16 params without masters] in optim/no_master.py) torch's optimizers keep their
+state in bf16: 2 bytes an element of Muon's momentum and Adafactor's statistics
+(matrix_state_bytes 2), AdamW's two moments 4 (model.py passes both).
 """
 
 import math
@@ -82,9 +85,12 @@ def model_shapes(arch, layers, hidden, vocab, ffn_hidden=None, heads=None, kv_he
     return [s for s, _ in reg], [i for i, (_, m) in enumerate(reg) if m]
 
 
-def plan_matrices(optimizer, shapes, matrices, dp, bucket_cap_elements, adam_bytes_per_param) -> MatrixPlan:
+def plan_matrices(optimizer, shapes, matrices, dp, bucket_cap_elements, adam_bytes_per_param,
+                  matrix_state_bytes=4) -> MatrixPlan:
     """The per-rank state and work of `optimizer` ("muon", "adafactor") on `matrices` (indices
-    into `shapes`, gradient order) with AdamW on the other tensors, over dp ranks."""
+    into `shapes`, gradient order) with AdamW on the other tensors, over dp ranks.
+    matrix_state_bytes: bytes of one value of the matrix optimizer's state (4: fp32, stepping
+    fp32 masters; 2: bf16, without masters)."""
     if optimizer not in OPTIMIZERS[1:]:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS[1:]} here, got {optimizer!r}")
     ml = plan_matrix_layout(shapes, matrices, dp, bucket_cap_elements, cost=optimizer)
@@ -92,7 +98,7 @@ def plan_matrices(optimizer, shapes, matrices, dp, bucket_cap_elements, adam_byt
     numels = [math.prod(s) for s in shapes]
 
     def state_of(i):  # one matrix's state, bytes
-        return 4 * numels[i] if optimizer == "muon" else 4 * sum(shapes[i])
+        return matrix_state_bytes * (numels[i] if optimizer == "muon" else sum(shapes[i]))
 
     def work_of(i):
         return ns_flops(shapes[i]) if optimizer == "muon" else numels[i]

@@ -278,6 +278,10 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
         raise ValueError(f"optimizer={optimizer!r} is planned from the model's shape (layers, hidden, heads, vocab) "
                          "with tp = pp = 1 and no offload_optimizer (ZeroOptimizer keeps matrix optimizers' state in "
                          "memory)")
+    if optimizer != "adam" and not master_weights and state_precision != "fp32":
+        raise ValueError(f"optimizer={optimizer!r} with master_weights=False keeps torch's optimizers' state in bf16, "
+                         f"as they keep it for bf16 params; state_precision={state_precision!r} has no meaning there. "
+                         "Leave state_precision='fp32' (the default)")
     traffic.check_precisions(reduce_precision, gather_precision)
     for name, v in (("dp", dp), ("tp", tp), ("pp", pp), ("micro_batches", micro_batches),
                     ("bucket_cap_mb", bucket_cap_mb), ("hosts", hosts)):
@@ -368,8 +372,10 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
     if optimizer != "adam":
         shapes, whole = model_shapes(arch, layers, hidden, vocab, ffn_hidden, heads, kv_heads)
         cap = int(bucket_cap_mb * 2**20 // b)
+        # without masters torch's optimizers keep bf16 state ([Note: matrix optimizers in the plan])
+        adam_el, matrix_el = (STATE_BYTES[state_precision], 4) if master_weights else (STATE_BYTES["bf16"], 2)
         for d in {dp, dp // hosts}:
-            matrices[d] = plan_matrices(optimizer, shapes, whole, d, cap, STATE_BYTES[state_precision])
+            matrices[d] = plan_matrices(optimizer, shapes, whole, d, cap, adam_el, matrix_el)
 
     def adam_for(stage, d):  # what _stage shards by d from stage 1 on: the busiest rank's share times d
         if optimizer == "adam":

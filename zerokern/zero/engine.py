@@ -36,7 +36,7 @@ class ZeroEngine:
     def __init__(self, optimizer, groups, names, *, zero_stage=None, process_group=None, bucket_cap_mb=None,
                  overlap_comm=None, offload=None, overlap_param_gather=None, state_keys=("exp_avg", "exp_avg_sq"),
                  what="FusedZeroAdam", options="", state=None, mesh=None, reduce_precision=None,
-                 gather_precision=None, disk_state_keys=None, matrices=None):
+                 gather_precision=None, disk_state_keys=None, matrices=None, master_weights=True):
         """groups: the param groups' param lists (validated); names: {param: name} where known.
         state_keys: the state tensors each store keeps per shard (the optimizer's own). state: a
         StatePolicy (core/stage.py) for low-bit state or params without masters, else None.
@@ -44,7 +44,9 @@ class ZeroEngine:
         here the per-element fp32 state that OffloadPolicy(device="nvme") streams from disk for it.
         matrices: a WholeMatrices (core/whole_matrices.py), the params an optimizer steps whole, laid
         out whole in one rank's shard each: by this engine for the params it buckets itself, by
-        zerokern.shard(matrices=...) for its units' ([Note: whole matrices in units])."""
+        zerokern.shard(matrices=...) for its units' ([Note: whole matrices in units]).
+        master_weights False (ZeroOptimizer's; FusedZeroAdam's is in `state`): the stores keep no
+        fp32 copy of bf16 params, whose shards the optimizer updates itself."""
         self.optimizer = weakref.ref(optimizer)  # the runtime never calls up into it
         all_params = [p for g in groups for p in g]
         self.trainable = [p for p in all_params if p.requires_grad]
@@ -90,11 +92,16 @@ class ZeroEngine:
         self.stage3 = self.param_policy.start(self.comm, forward_order(owned, index))  # stage 3's runtime, or None
         # [Note: quantized param gathers]: at stages 1/2 the params then hold what the gathers gave
         holds = self.param_policy.holds_gathered(self.comm, config.gather_precision)
-        if holds and state is not None and not state.master_weights:
+        if holds and not (master_weights and (state is None or state.master_weights)):
             raise ValueError(f"zerokern: {what}(gather_precision={config.gather_precision!r}) at stage "
                              f"{strategy.stage} needs fp32 master weights: the params hold the gathered values, "
                              "within one int8 step of the masters, and the masters what was trained exactly. Pass "
                              "master_weights=True, or gather_precision=None")
+        if config.offload is not None and not master_weights:
+            raise ValueError(f"zerokern: {what}(master_weights=False) with OffloadPolicy(device="
+                             f"{config.offload.device!r}) is not offered yet: offload steps an fp32 copy of each shard "
+                             "kept off the device (a master), which master_weights=False drops. Pass "
+                             "master_weights=True, or offload=None")
         if config.offload is not None and config.offload.on_disk:
             why = (f"gather_precision={config.gather_precision!r}" if holds else
                    f"{what} (it keeps its inner optimizer's own state)" if tuple(state_keys) != nvme_store.STATE_KEYS
@@ -118,7 +125,7 @@ class ZeroEngine:
                            if state is None
                            else lowbit_nvme_store.create(placed, config.offload, state, self.comm, what))
         else:
-            self.stores = [ShardStore(f, b, config.offload, state_keys, holds_gathered=holds) if state is None
+            self.stores = [ShardStore(f, b, config.offload, state_keys, holds, master_weights) if state is None
                            else LowBitStore(f, b, state, holds_gathered=holds) for f, b in placed]
         self.agreement = Agreement(self.comm, strategy, path, self.schedule, self.stores,
                                    [[tindex[f.params[i]] for i in f.layout.buckets[b].tensors] for f, b in placed],

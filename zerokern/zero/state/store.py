@@ -31,10 +31,13 @@ if TYPE_CHECKING:  # annotations only: a store sits below the unit that it is bu
 
 class ShardStore:
     def __init__(self, flat: "FlatParams", b: int, offload: Optional[OffloadPolicy],
-                 state_keys: Sequence[str] = ("exp_avg", "exp_avg_sq"), holds_gathered: bool = False):
+                 state_keys: Sequence[str] = ("exp_avg", "exp_avg_sq"), holds_gathered: bool = False,
+                 master_weights: bool = True):
         """state_keys: the optimizer's fp32 state per element (Adam's two moments; none for an
         optimizer that keeps its own, ZeroOptimizer's inner torch optimizer). holds_gathered: the
-        param shard holds quantized gathers' values, not the master (see above)."""
+        param shard holds quantized gathers' values, not the master (see above). master_weights
+        False: a bf16 param shard is what the optimizer updates, no fp32 copy (ZeroOptimizer's
+        [Note: bf16 params without masters]; the engine refuses it with offload or holds_gathered)."""
         self.flat, self.b = flat, b
         self.bucket: "GradBucket" = flat.buckets[b]
         param_shard = self._param_shard = flat.param_shard(b)  # a view of a buffer the unit keeps for good
@@ -50,7 +53,7 @@ class ShardStore:
         self.low_precision = param_shard.dtype != torch.float32
         self.holds_gathered = holds_gathered
         # The param shard is its own fp32 master only on its own device, and only where it holds the master.
-        self.separate_master = self.low_precision or self.offloaded or holds_gathered
+        self.separate_master = (self.low_precision and master_weights) or self.offloaded or holds_gathered
         self.master = alloc() if self.separate_master else param_shard
         # The kernel writes low-precision params into this (on the store's device); the gather writes held ones.
         self.staging = (alloc(param_shard.dtype) if (self.offloaded and self.low_precision and not holds_gathered)
@@ -116,14 +119,14 @@ class ShardStore:
     def operands(self):
         """(master, grad, *state (in state_keys order), model) over this shard: for Adam the fused
         kernel's (master, grad, exp_avg, exp_avg_sq, model). model: the fp16/bf16 param shard the
-        update writes (None for fp32 params)."""
+        update writes (None for fp32 params, and for a shard that is its own master)."""
         grad = self.bucket.reduced_grad()
         if self.offloaded:
             # Blocking: the CPU kernel reads it right away (an async device-to-host copy
             # would need an event wait first; overlapping these copies is future work).
             grad = grad.to(self.device)
         model = None
-        if self.low_precision and not self.holds_gathered:  # held params: the gather writes them
+        if self.low_precision and self.separate_master and not self.holds_gathered:  # held: the gather writes them
             model = self.staging if self.offloaded else self.param_shard()
         return (self.master, grad, *self.state.values(), model)
 

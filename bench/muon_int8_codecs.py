@@ -7,11 +7,14 @@ codec's rounding compares with the step's own change of the momentum, (1 - beta)
 
 Codecs: NAME-ROUNDING-BLOCK, NAME "dynamic" (kernels/lowbit.py's signed map) or "linear" (255
 evenly spaced values in [-1, 1]), ROUNDING "nearest" or "stochastic" (unbiased: up with
-probability the distance from the code below over the gap), BLOCK elements a row's block; a
+probability the distance from the code below over the gap; torch.Generator draws, a lab only), BLOCK
+elements a row's block; a
 suffix "-cols": each column divided by its absmax before the row blocks (a scale per column too).
-"bf16": the momentum rounded to bf16 (2 bytes an element), for scale.
-Per step and matrix: "stalled", the fraction of elements whose code did not move though the exact
-EMA did (by more than fp32 noise); "err/change", ||rounded - exact|| / ||exact - previous||.
+"bf16": the momentum rounded to bf16 (2 bytes an element), for scale; "zerokern": ZeroOptimizer's
+int8 codec itself (zerokern/optim/lowbit_momentum.py: linear, blocks of its BLOCK, with columns).
+Per step, over the matrices: "err/change", ||rounded - exact|| / ||exact - previous|| (a step's
+rounding against the step's own change of the momentum); "drift", ||momentum - shadow|| / ||shadow||,
+shadow an fp32 momentum fed the same grads (the rounding as it piles up in the state).
 """
 
 import argparse
@@ -25,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from lowbit_loss import CTX, EVAL_EVERY, GPT, _loss, _lr  # noqa: E402
 from muon_loss import ADAMW, MUON, PEAK, _data, hidden_and_rest  # noqa: E402
 from zerokern.kernels import lowbit  # noqa: E402
+from zerokern.optim import lowbit_momentum  # noqa: E402
 
 LINEAR = torch.linspace(-1, 1, 255)
 
@@ -66,7 +70,7 @@ def run(seed, steps, schedule, eval_batches, name):
     hidden, rest = hidden_and_rest(model)
     muon, adamw = torch.optim.Muon(hidden, **MUON), torch.optim.AdamW(rest, **ADAMW)
     gen = torch.Generator().manual_seed(1000 + seed)
-    curve, stats = [], []
+    curve, stats, shadow = [], [], {}
     for step in range(steps):
         scale = _lr(step, schedule) / PEAK
         muon.param_groups[0]["lr"], adamw.param_groups[0]["lr"] = MUON["lr"] * scale, ADAMW["lr"] * scale
@@ -75,23 +79,28 @@ def run(seed, steps, schedule, eval_batches, name):
         adamw.zero_grad()
         _loss(model, batch).backward()
         before = {p: muon.state[p]["momentum_buffer"].clone() for p in hidden if p in muon.state}
+        for p in hidden:
+            shadow.setdefault(p, torch.zeros_like(p)).lerp_(p.grad, 1 - MUON["momentum"])
         muon.step()
         adamw.step()
         if name != "fp32":
-            stalled = total = err = change = 0.0
-            kind, rounding, block, *cols = name.split("-") if name != "bf16" else [None] * 3
+            drift = norm = err = change = 0.0
+            kind, rounding, block, *cols = name.split("-") if "-" in name else [None] * 3
             for p in hidden:
                 buf = muon.state[p]["momentum_buffer"]
                 prev = before.get(p, torch.zeros_like(buf))
-                r = buf.bfloat16().float() if name == "bf16" else \
-                    codec(buf, kind, rounding, int(block), gen, columns=cols == ["cols"])
-                moved = (buf - prev).abs() > 1e-6 * buf.abs().amax()
-                stalled += ((r == prev) & moved).sum().item()
-                total += moved.sum().item()
+                if name == "bf16":
+                    r = buf.bfloat16().float()
+                elif name == "zerokern":
+                    r = lowbit_momentum.decode_rows(*lowbit_momentum.encode_rows(buf))
+                else:
+                    r = codec(buf, kind, rounding, int(block), gen, columns=cols == ["cols"])
+                drift += (r - shadow[p]).square().sum().item()
+                norm += shadow[p].square().sum().item()
                 err += (r - buf).square().sum().item()
                 change += (buf - prev).square().sum().item()
                 buf.copy_(r)
-            stats.append((stalled / max(total, 1), (err / max(change, 1e-30)) ** 0.5))
+            stats.append(((drift / max(norm, 1e-30)) ** 0.5, (err / max(change, 1e-30)) ** 0.5))
         if (step + 1) % EVAL_EVERY == 0 or step + 1 == steps:
             with torch.no_grad():
                 curve.append((step + 1, sum(_loss(model, b).item() for b in evs) / len(evs)))
@@ -104,7 +113,7 @@ def main():
     ap.add_argument("--schedule", type=int, default=300, help="the lr schedule's length (muon_loss.py --steps)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--eval-batches", type=int, default=8)
-    ap.add_argument("--codecs", nargs="+", default=["dynamic-nearest-256", "dynamic-stochastic-256",
+    ap.add_argument("--codecs", nargs="+", default=["zerokern", "dynamic-nearest-256", "dynamic-stochastic-256",
                                                     "dynamic-nearest-64", "linear-nearest-256"])
     ap.add_argument("--baseline", help="a muon_loss.py results file whose one-process curves (same model, data and "
                     "schedule) stand for the fp32 run here")
@@ -124,9 +133,10 @@ def main():
             out[seed][name] = {"curve": curve, "stats": stats}
             diffs = " ".join(f"{s}:{100 * (v - b) / b:+.2f}%" for (s, v), (_, b) in zip(curve, base))
             early, late = stats[: len(stats) // 4], stats[len(stats) // 4:]
-            print(f"seed {seed} {name}: {diffs}; stalled {sum(s for s, _ in late) / len(late):.3f}, err/change "
-                  f"{sum(e for _, e in early) / len(early):.2f} (first quarter) {sum(e for _, e in late) / len(late):.2f}",
-                  flush=True)
+            mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+            print(f"seed {seed} {name}: {diffs}; err/change {mean([e for _, e in early]):.3f} (first quarter) "
+                  f"{mean([e for _, e in late]):.3f} (rest); drift {mean([d for d, _ in late]):.4f} (after the first "
+                  "quarter)", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f)

@@ -7,9 +7,9 @@ codec's rounding compares with the step's own change of the momentum, (1 - beta)
 
 Codecs: NAME-ROUNDING-BLOCK, NAME "dynamic" (kernels/lowbit.py's signed map) or "linear" (255
 evenly spaced values in [-1, 1]), ROUNDING "nearest" or "stochastic" (unbiased: up with
-probability the distance from the code below over the gap; torch.Generator draws, a lab only), BLOCK
-elements a row's block; a
-suffix "-cols": each column divided by its absmax before the row blocks (a scale per column too).
+probability the distance from the code below over the gap; torch.Generator draws, a lab only),
+BLOCK elements a row's block; a suffix "-cols": each column divided by its absmax before the row
+blocks (a scale per column too).
 "bf16": the momentum rounded to bf16 (2 bytes an element), for scale; "zerokern": ZeroOptimizer's
 int8 codec itself (zerokern/optim/lowbit_momentum.py: linear, blocks of its BLOCK, with columns).
 Per step, over the matrices: "err/change", ||rounded - exact|| / ||exact - previous|| (a step's

@@ -27,7 +27,8 @@ the nearest (|m_ij| / s_ij above 1 by rho's rounding takes the end code). Why th
 - rho in bf16, round trip: decoding and encoding again gives the same codes and scales, so
   state_dict -> load_state_dict changes no bit. Each column's largest element has ratio 1, rho 1
   and the end code, so it decodes to exactly c_j and none of the column decodes above it; a row
-  block's largest ratio decodes to rho_ib x c_k, whose ratio is rho_ib within an fp32 ulp, which
+  block's largest ratio (its code the end code: bf16 rho is within 2^-9 of it) decodes to
+rho_ib x c_k, whose ratio is rho_ib within an fp32 ulp, which
   bf16 rounding takes back to rho_ib exactly (an fp32 rho could come back an ulp off);
 - the scales depend on the matrix alone, not on where it lies in a shard: ranks, stages and one
   process agree bit for bit.

@@ -1,10 +1,10 @@
 """ZeroOptimizer's int8 Muon momentum ({"optimizer": torch.optim.Muon, "state_precision": "int8"}:
 [Note: int8 momentum of whole matrices] in zerokern/optim/lowbit_momentum.py). The oracle is
 one-process torch.optim.Muon + torch.optim.AdamW whose momentum_buffer is rounded through the
-row-aligned int8 blocks after every step: zerokern must give its bits on one process and on 2
-ranks (every rank alike), and stay within a derived bound of fp32-momentum Muon. Also: the codec
-against lowbit's blocks and its rounding bound, torch's layout in state dicts both ways, the bytes
-held, and what is refused."""
+int8 codec (linear codes, row-block x column scales) after every step: zerokern must give its bits
+on one process and on 2 ranks (every rank alike), and stay within a derived bound of fp32-momentum
+Muon. Also: the codec against its scales' definition and its rounding bound, torch's layout in
+state dicts both ways, the bytes held, and what is refused."""
 
 import copy
 
@@ -14,22 +14,22 @@ import torch.nn as nn
 
 import dist_harness
 import zerokern
-from zerokern.kernels import lowbit
-from zerokern.optim.lowbit_momentum import CODES, SCALES, decode_rows, encode_rows
+from zerokern.optim.lowbit_momentum import BLOCK, CODES, COLUMNS, SCALES, decode_rows, encode_rows
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon is torch 2.9+")
 
 STEPS = 4
 MUON = dict(lr=0.02, weight_decay=0.01, momentum=0.9)
 ADAMW = dict(lr=3e-3, weight_decay=0.05)
-# the largest distance from a value in [-1, 1] to its nearest code: half the widest gap of the
-# signed map (its top decade: 0.9 / 64 / 2); an element's error is at most this x its block's absmax
-HALF_GAP = float((lowbit.qmap(True)[1:-1] - lowbit.qmap(True)[:-2]).max()) / 2
+# the largest distance from a value in [-1, 1] to its nearest code: half a step of the linear map
+# (1 / 127 / 2); an element's error is at most this x its scale s_ij. Also where |m| / s is above 1
+# (rho rounded to bf16 down by at most 2^-9 < HALF_GAP, the end code taken)
+HALF_GAP = 0.5 / 127
 
 
 def _model():
     torch.manual_seed(3)
-    # 300 columns: two blocks a row, the second short; 9 and 33: one short block a row; biases for AdamW
+    # 300 columns: five blocks a row, the last short; 9 and 33: one short block a row; biases for AdamW
     return nn.Sequential(nn.Linear(300, 9), nn.Tanh(), nn.Linear(9, 33), nn.Tanh(), nn.Linear(33, 5, bias=False))
 
 
@@ -91,31 +91,52 @@ def _zero(model, precision="int8", stage=2, **more):
 
 # --- the codec ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("shape", [(1, 1), (3, 256), (2, 257), (5, 600), (4, 7)])
-def test_rows_round_within_half_a_gap_of_their_own_blocks(shape):
+def _scales_by_definition(m):
+    """c_j: column absmax; rho_ib: the largest |m_ik| / c_k of row i's block b, in bf16."""
+    c = m.abs().amax(dim=0)
+    ratio = torch.where(c > 0, m.abs() / torch.where(c > 0, c, torch.ones_like(c)), torch.zeros_like(m))
+    nb = -(-m.shape[1] // BLOCK)
+    rho = torch.stack([ratio[:, b * BLOCK:(b + 1) * BLOCK].amax(dim=1) for b in range(nb)], 1).to(torch.bfloat16)
+    return rho, c
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 256), (2, 257), (5, 600), (4, 7), (127, 9)])
+def test_rows_round_within_half_a_step_of_their_scales(shape):
     torch.manual_seed(0)
-    m = torch.randn(shape) * torch.logspace(-3, 3, shape[0]).unsqueeze(1)  # rows six decades apart
-    codes, scales = encode_rows(m)
-    nb = -(-shape[1] // lowbit.BLOCK)
-    assert codes.dtype == torch.uint8 and codes.shape == m.shape and scales.shape == (shape[0], nb)
-    back = decode_rows(codes, scales)
-    absmax = torch.stack([m[:, b * lowbit.BLOCK:(b + 1) * lowbit.BLOCK].abs().amax(dim=1) for b in range(nb)], 1)
-    assert torch.equal(scales, absmax), "one scale a block of a row: that block's absmax"
-    bound = absmax.repeat_interleave(lowbit.BLOCK, dim=1)[:, :shape[1]] * HALF_GAP * (1 + 1e-6)
-    assert ((back - m).abs() <= bound).all()
-    # a block never spans two rows: a row rounds the same whatever its neighbour holds
-    big = m.clone()
-    big[0] *= 1e6
-    assert torch.equal(encode_rows(big)[0][1:], codes[1:])
-    # whole blocks a row: lowbit's own blocks, counted from the first element
-    if shape[1] % lowbit.BLOCK == 0:
-        flat_codes, flat_scales = lowbit.quantize(m.reshape(-1), signed=True)
-        assert torch.equal(flat_codes.view(shape), codes) and torch.equal(flat_scales.view(scales.shape), scales)
+    # rows six decades apart, columns three: the row-block and column scales both matter
+    m = torch.randn(shape) * torch.logspace(-3, 3, shape[0]).unsqueeze(1) * torch.logspace(0, 3, shape[1])
+    codes, rho, c = encode_rows(m)
+    nb = -(-shape[1] // BLOCK)
+    assert codes.dtype == torch.uint8 and codes.shape == m.shape and int(codes.max()) <= 254
+    assert rho.shape == (shape[0], nb) and rho.dtype == torch.bfloat16 and c.shape == (shape[1],)
+    want_rho, want_c = _scales_by_definition(m)
+    assert torch.equal(c, want_c) and torch.equal(rho, want_rho), "scales as [Note: int8 momentum ...] defines them"
+    s = rho.float().repeat_interleave(BLOCK, dim=1)[:, :shape[1]] * c
+    back = decode_rows(codes, rho, c)
+    assert ((back - m).abs() <= s * HALF_GAP * (1 + 1e-5)).all()
+    # an outlier column (x 2^10: the ratios exactly the same) costs the others nothing: every code
+    # and row scale as before, only its own column scale 2^10 times larger
+    loud = m.clone()
+    loud[:, 0] *= 1024
+    codes2, rho2, c2 = encode_rows(loud)
+    assert torch.equal(codes2, codes) and torch.equal(rho2, rho)
+    assert torch.equal(c2[0], c[0] * 1024) and torch.equal(c2[1:], c[1:])
     # decoding and encoding again changes no bit (what state_dict -> load_state_dict does)
     again = encode_rows(back)
-    assert torch.equal(again[0], codes) and torch.equal(again[1], scales)
+    assert all(torch.equal(a, b) for a, b in zip(again, (codes, rho, c)))
     zero = encode_rows(torch.zeros(shape))
     assert torch.equal(decode_rows(*zero), torch.zeros(shape))
+
+
+def test_zero_columns_and_rows_round_trip():
+    m = torch.randn(6, 300)
+    m[:, 5] = 0  # an all-zero column: c_j 0
+    m[2] = 0  # an all-zero row: rho 0
+    m[4, 256:] = 0  # an all-zero block
+    codes, rho, c = encode_rows(m)
+    back = decode_rows(codes, rho, c)
+    assert torch.equal(back[:, 5], m[:, 5]) and torch.equal(back[2], m[2]) and torch.equal(back[4, 256:], m[4, 256:])
+    assert all(torch.equal(a, b) for a, b in zip(encode_rows(back), (codes, rho, c)))
 
 
 # --- one process ----------------------------------------------------------------------------------
@@ -156,8 +177,8 @@ def test_one_process_is_muon_with_its_momentum_rounded(stage, adamw_too):
     assert len(stepped) == 3 * STEPS and all(len(s) == 1 for s in stepped), [len(s) for s in seen]
     for p in _split(model)[0]:
         st = opt.state[p]
-        assert set(st) == {CODES, SCALES} and st[CODES].dtype == torch.uint8, "no fp32 momentum between steps"
-        assert torch.equal(decode_rows(st[CODES], st[SCALES]), ref_opt.muon.state[_ref_of(ref, model, p)]
+        assert set(st) == {CODES, SCALES, COLUMNS} and st[CODES].dtype == torch.uint8, "no fp32 momentum between steps"
+        assert torch.equal(decode_rows(st[CODES], st[SCALES], st[COLUMNS]), ref_opt.muon.state[_ref_of(ref, model, p)]
                            ["momentum_buffer"])
 
 
@@ -203,7 +224,8 @@ def test_state_dict_is_torch_layout_both_ways():
     for p in hidden:
         st = sd["state"][index[p]]
         assert set(st) == {"momentum_buffer"} and st["momentum_buffer"].dtype == torch.float32
-        assert torch.equal(st["momentum_buffer"], decode_rows(opt.state[p][CODES], opt.state[p][SCALES]))
+        assert torch.equal(st["momentum_buffer"], decode_rows(opt.state[p][CODES], opt.state[p][SCALES],
+                                                              opt.state[p][COLUMNS]))
     # torch.optim.Muon + AdamW take it as it is
     one = copy.deepcopy(model)
     ref = _Oracle(one)
@@ -214,7 +236,7 @@ def test_state_dict_is_torch_layout_both_ways():
     again_opt = _zero(again, stage=2)
     again_opt.load_state_dict(copy.deepcopy(sd))
     for p, q in zip(hidden, _split(again)[0]):
-        for key in (CODES, SCALES):
+        for key in (CODES, SCALES, COLUMNS):
             assert torch.equal(opt.state[p][key], again_opt.state[q][key]), key
     _train(model, opt, batches[2:])
     _train(again, again_opt, batches[2:])
@@ -227,12 +249,18 @@ def test_state_dict_is_torch_layout_both_ways():
     fresh = _zero(fresh_model, stage=2)
     fresh.load_state_dict(theirs)
     for p, q in zip(hidden, _split(fresh_model)[0]):
-        codes, scales = encode_rows(theirs["state"][index[p]]["momentum_buffer"])
-        assert torch.equal(fresh.state[q][CODES], codes) and torch.equal(fresh.state[q][SCALES], scales)
+        codes, rho, c = encode_rows(theirs["state"][index[p]]["momentum_buffer"])
+        assert torch.equal(fresh.state[q][CODES], codes) and torch.equal(fresh.state[q][SCALES], rho)
+        assert torch.equal(fresh.state[q][COLUMNS], c)
 
 
 def _momentum_bytes(opt, hidden):
     return sum(v.numel() * v.element_size() for p in hidden for v in opt.state[p].values())
+
+
+def _scale_bytes(p):
+    """bf16 rho a row block, fp32 c a column"""
+    return 2 * p.shape[0] * (-(-p.shape[1] // BLOCK)) + 4 * p.shape[1]
 
 
 def test_state_bytes_are_a_byte_and_the_scales():
@@ -240,11 +268,11 @@ def test_state_bytes_are_a_byte_and_the_scales():
     int8, fp32 = _zero(model), _zero(other, precision=None)
     hidden = _split(model)[0]
     codes = sum(p.numel() for p in hidden)
-    scales = sum(p.shape[0] * (-(-p.shape[1] // lowbit.BLOCK)) for p in hidden)
-    assert _momentum_bytes(int8, hidden) == codes + 4 * scales
+    scales = sum(_scale_bytes(p) for p in hidden)
+    assert _momentum_bytes(int8, hidden) == codes + scales
     assert _momentum_bytes(fp32, _split(other)[0]) == 4 * codes
     saved = fp32.memory_report()["adam_state"] - int8.memory_report()["adam_state"]
-    assert saved == 3 * codes - 4 * scales
+    assert saved == 3 * codes - scales
 
 
 @pytest.mark.parametrize("build, message", [
@@ -305,8 +333,8 @@ def test_two_ranks_are_the_oracle_bit_for_bit(stage):
         assert all(moms), f"rank {rank}: the state dict's momentum differs from the oracle's: {moms}"
         assert stepped == STEPS * len(owned), f"rank {rank}: {stepped} matrix steps for {len(owned)} owned"
         owned_numel = sum(hidden[k].numel() for k in owned)
-        owned_scales = sum(hidden[k].shape[0] * (-(-hidden[k].shape[1] // lowbit.BLOCK)) for k in owned)
-        assert int8_bytes == owned_numel + 4 * owned_scales and fp32_bytes == 4 * owned_numel, rank
+        owned_scales = sum(_scale_bytes(hidden[k]) for k in owned)
+        assert int8_bytes == owned_numel + owned_scales and fp32_bytes == 4 * owned_numel, rank
         assert reloaded, f"rank {rank}: load_state_dict(state_dict()) changed the codes"
     assert sorted(k for o in out for k in o[3]) == list(range(len(hidden))), "each matrix on one owner"
     assert all(o[3] for o in out), "both ranks own matrices"

@@ -10,7 +10,7 @@ import torch.nn as nn
 
 import zerokern
 from matrix_helpers import CountNS, RankResult, owned_whole, state_diff
-from zerokern.optim.lowbit_momentum import CODES, SCALES, decode_rows, encode_rows
+from zerokern.optim.lowbit_momentum import CODES, COLUMNS, SCALES, decode_rows, encode_rows
 
 STEPS = 20
 MUON = dict(lr=0.02, weight_decay=0.01, momentum=0.9)
@@ -169,7 +169,7 @@ def same_batch(rank, world, cases, split=False, int8=False):
         diff = max((full[n].float() - q.float()).abs().max().item() for n, q in ref.state_dict().items())
         if int8:  # between steps an owner holds its matrices' codes and scales, no fp32 momentum
             for p in hidden(model):
-                assert set(opt.state[p]) <= {CODES, SCALES}, sorted(opt.state[p])
+                assert set(opt.state[p]) <= {CODES, SCALES, COLUMNS}, sorted(opt.state[p])
                 assert not opt.state[p] or opt.state[p][CODES].dtype == torch.uint8
         sd = opt.state_dict()  # a collective: each matrix's momentum from its owner in the shard group
         group = dist.get_process_group_ranks(opt.engine.comm.group)

@@ -64,14 +64,19 @@ def scaler_skip(rank, world, stage, steps=4):
                 ref_opt.zero_grad()
                 ref(x).backward()
                 ref_opt.step()
-        full = zerokern.full_state_dict(model, rank0_only=False)
-        diff = max((full[n] - q).abs().max().item() for n, q in ref.state_dict().items())
-        sd = opt.state_dict()
-        mom = max((sd["state"][k]["momentum_buffer"] - st["momentum_buffer"]).abs().max().item()
-                  for k, st in ref_opt.opts[0].state_dict()["state"].items())
-        return log, _owned(opt), diff, mom, full
+        return (log, _owned(opt), *_against(model, opt, ref, ref_opt))
     finally:
         counter.close()
+
+
+def _against(model, opt, ref, ref_opt):
+    """The params' and momentum's max diff from the one-process reference, and the full params."""
+    full = zerokern.full_state_dict(model, rank0_only=False)
+    diff = max((full[n] - q).abs().max().item() for n, q in ref.state_dict().items())
+    sd = opt.state_dict()
+    mom = max((sd["state"][k]["momentum_buffer"] - st["momentum_buffer"]).abs().max().item()
+              for k, st in ref_opt.opts[0].state_dict()["state"].items())
+    return diff, mom, full
 
 
 def accumulate(rank, world, stage=3, steps=5, micro=2):
@@ -99,11 +104,6 @@ def accumulate(rank, world, stage=3, steps=5, micro=2):
             ref_opt.step()
             stepped = opt.matrices_stepped
             log.append((counter.step(opt.step), opt.matrices_stepped - stepped))
-        full = zerokern.full_state_dict(model, rank0_only=False)
-        diff = max((full[n] - q).abs().max().item() for n, q in ref.state_dict().items())
-        sd = opt.state_dict()
-        mom = max((sd["state"][k]["momentum_buffer"] - st["momentum_buffer"]).abs().max().item()
-                  for k, st in ref_opt.opts[0].state_dict()["state"].items())
-        return log, _owned(opt), diff, mom, full
+        return (log, _owned(opt), *_against(model, opt, ref, ref_opt))
     finally:
         counter.close()

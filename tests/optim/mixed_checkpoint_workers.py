@@ -9,21 +9,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import matrix_kinds_workers as K
+from muon_checkpoint_workers import train as _train, weights as _weights
 
 SAVE_AT, STEPS = 3, 5
-
-
-def _train(model, opts, xs):
-    for x in xs:
-        for o in opts:
-            o.zero_grad()
-        model(x).backward()
-        for o in opts:
-            o.step()
-
-
-def _weights(model):
-    return [p.detach().clone() for p in model.parameters()]
 
 
 def save(rank, world, path):

@@ -65,7 +65,7 @@ def worker(rank, world, init, args, out):
             opt = v.opts[0]
             PARTS.clear()
             dist.barrier()
-            w0, c0 = time.perf_counter(), time.thread_time()
+            w0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
             loss = _loss(v.model, batch)
             c1 = time.thread_time()
             loss.backward()
@@ -73,8 +73,10 @@ def worker(rank, world, init, args, out):
             opt.step()
             c3 = time.thread_time()
             opt.zero_grad()
+            p1 = time.process_time()  # every thread of the process: the comm worker's and gloo's too
             dist.barrier()
             for part, s in (("forward", c1 - c0), ("backward", c2 - c1), ("step", c3 - c2),
+                            ("whole step, all threads", p1 - p0),
                             ("whole step, wall", time.perf_counter() - w0), *PARTS.items()):
                 res[v.name].setdefault(part, []).append(s)
     every = [None] * world

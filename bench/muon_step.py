@@ -11,6 +11,7 @@ head), fp32, --batch sequences per rank. Muon (lr 0.02, momentum 0.95, weight de
 Variants (each rank builds every one from the same weights, feeds them the same batches):
   zerokern-muon        ZeroOptimizer([Muon group, AdamW group], AdamW, zero_stage=2)
   zerokern-muon-pieces the same, stepping each AdamW piece alone (as before optim/flat_runs.py; not by default)
+  zerokern-muon-alone  the same, with one param gather a bucket (as before params/coalesced.py)
   zerokern-adamw       FusedZeroAdam(zero_stage=2) on every param: ZeRO-2 with AdamW, the bytes to match
   ddp-muon             DistributedDataParallel + torch.optim.Muon + torch.optim.AdamW: every rank runs every NS
   fsdp2-muon           fully_shard on each block and the root + torch.optim.Muon + AdamW (its error if any)
@@ -140,6 +141,15 @@ def build(kind, base, cap_mb):
         opt._runs = []  # private: every AdamW piece stepped alone, as before FlatRuns
         opt._one_by_one = [t for t in opt._piece if not (t in opt._whole and opt._where[t][2] == 0)]
         return Variant(kind, v.model, [opt])
+    if kind == "zerokern-muon-alone":  # the A/B of [Note: coalesced param gathers] in one run
+        from zerokern.zero.params import coalesced
+
+        saved, coalesced.LIMIT_BYTES = coalesced.LIMIT_BYTES, 0  # read when the optimizer is built
+        try:
+            v = build("zerokern-muon", base, cap_mb)
+            return Variant(kind, v.model, v.opts)
+        finally:
+            coalesced.LIMIT_BYTES = saved
     if kind == "zerokern-adamw":
         import zerokern
 

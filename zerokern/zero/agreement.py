@@ -64,6 +64,7 @@ class Agreement:
         self.check_fp16 = any(p.dtype == torch.float16 for p in trainable)
         self.scaler_in_use = True  # until a step() runs without a GradScaler ([Note: overflow on any rank])
         self.device = stores[0].bucket.device if stores else torch.device("cpu")  # where the flags are
+        self._usage = None  # (flags, work): the usage flags' all-reduce launched in before_settle
 
     # --- before the update -----------------------------------------------------
 
@@ -152,6 +153,14 @@ class Agreement:
 
     # --- after a synced backward -------------------------------------------------
 
+    def before_settle(self):
+        """At the end of a synced backward, once its last reductions are launched and before any
+        is waited for: what the grad path can launch already (the usage flags: [Note: who had a
+        grad]), so the ranks meet once there, not once for the grads and again for the flags."""
+        self._usage = None
+        if self.stores and self.path.usage is not None and not self.scaler_in_use:
+            self.launch_usage(self.path.usage(self))
+
     def after_backward(self):
         """[Note: overflow on any rank] GradScaler checks each rank's local .grad, but where
         those are local (stages 1/2/3 on several ranks) an inf/nan may be in another rank's
@@ -175,9 +184,18 @@ class Agreement:
         self.comm.wait(self.comm.all_reduce(flags, op=_MAX, name="overflow"))
         return flags[0], (flags[1:].tolist() if usage else usage)
 
-    def agreed_usage(self, usage):
+    def launch_usage(self, usage) -> None:
+        """The usage flags' all-reduce MAX, launched; agreed_usage waits for it."""
         flags = torch.tensor(usage, device=self.device)
-        self.comm.wait(self.comm.all_reduce(flags, op=_MAX, name="grad_usage"))
+        self._usage = (flags, self.comm.all_reduce(flags, op=_MAX, name="grad_usage"))
+
+    def agreed_usage(self):
+        """The usage flags MAX-ed over the ranks: the all-reduce before_settle launched, or one
+        now."""
+        if self._usage is None:
+            self.launch_usage(self.path.usage(self))
+        (flags, work), self._usage = self._usage, None
+        self.comm.wait(work)
         return flags.tolist()
 
     # --- the optimizer's construction ----------------------------------------------------

@@ -131,6 +131,7 @@ class ZeroEngine:
                                    [[tindex[f.params[i]] for i in f.layout.buckets[b].tensors] for f, b in placed],
                                    self.trainable, what)
         self.schedule.after_backward = self.agreement.after_backward  # held weakly (grads/schedule.py)
+        self.schedule.before_settle = self.agreement.before_settle
         # per store, this rank's Piece of each of its params, in shard order
         self.pieces = [_pieces_of(s, tindex) for s in self.stores]
         # each trainable param's first element in the global count that keys stochastic rounding

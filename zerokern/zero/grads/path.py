@@ -58,6 +58,9 @@ class GradPath:
         # agree (.grad holds the average: stage 0, and every stage on one process)
         self.after_backward = (ReleasedGrads.after_backward if releases else
                                LocalGrads.after_backward if local else None)
+        # the flags of which members a backward reached, agreed behind the reductions
+        # (Agreement.before_settle); None: the stage keeps no such flags
+        self.usage = ReleasedGrads.usage if releases else None
 
     def group(self, flat, comm, strategy: Strategy, reduce_precision=None) -> MemberGrads:
         """The grad path of one dtype group: its buckets and its members' .grad."""
@@ -237,6 +240,14 @@ class ReleasedGrads(MemberGrads):
                 self.bound[i] = None
 
     @staticmethod
+    def usage(agreement) -> list:
+        """1.0 for each member of the stores' buckets that a backward on this rank reached, else 0."""
+        usage = []
+        for s in agreement.stores:
+            usage += map(float, s.bucket.got)
+        return usage
+
+    @staticmethod
     def after_backward(agreement) -> None:
         """The placeholders in .grad answer the scaler from the agreed overflow flag ([Note:
         stage-2 .grad]). Only a scaler asks, so once step() has run without one (fp32, bf16
@@ -250,16 +261,15 @@ class ReleasedGrads(MemberGrads):
         averaged grad, as DDP gives it. So every rank holds the same .grad kinds after a synced
         backward, and a change of one (.grad = None, zero_()) happens on every rank, the shard's
         owner too, at the same point of the collective order. One small all-reduce per synced
-        backward (DDP's find_unused_parameters pays the same)."""
-        usage = []
-        for s in agreement.stores:
-            usage += map(float, s.bucket.got)
+        backward (DDP's find_unused_parameters pays the same); without a scaler the flags are
+        known once the last reduction is launched, so theirs is launched behind it (before any
+        is waited for: Agreement.before_settle) and the ranks meet once at the end of backward."""
         if agreement.scaler_in_use:
-            flag, usage = agreement.agreed_overflow(usage)
+            flag, usage = agreement.agreed_overflow(ReleasedGrads.usage(agreement))
             for s in agreement.stores:
                 s.bucket.overflow = flag
         else:
-            usage = agreement.agreed_usage(usage)
+            usage = agreement.agreed_usage()
         k = 0
         for s in agreement.stores:
             grads = s.flat.grads

@@ -47,6 +47,9 @@ class ReduceSchedule:
         # optimizer here would close a cycle through the hooks that the garbage collector does not
         # see (torch keeps tensor hooks in C++), keeping every dropped optimizer and its buffers.
         self.after_backward = after_backward
+        # launched behind the last reductions of a backward, before any is waited for (the
+        # agreement's usage flags: [Note: who had a grad] in grads/path.py); held weakly too
+        self.before_settle = None
         self.owner = None  # a weak reference to the ZeroEngine driving this schedule
         self.state = BackwardState.IDLE
         self._next = 0  # buckets before this one were launched in the running backward
@@ -72,6 +75,14 @@ class ReduceSchedule:
     @after_backward.setter
     def after_backward(self, fn: Optional[Callable[[], None]]) -> None:
         self._after_backward = weakref.WeakMethod(fn) if inspect.ismethod(fn) else (lambda: fn)
+
+    @property
+    def before_settle(self) -> Optional[Callable[[], None]]:
+        return self._before_settle()
+
+    @before_settle.setter
+    def before_settle(self, fn: Optional[Callable[[], None]]) -> None:
+        self._before_settle = weakref.WeakMethod(fn) if inspect.ismethod(fn) else (lambda: fn)
 
     # --- backward ------------------------------------------------------------
 
@@ -100,6 +111,9 @@ class ReduceSchedule:
         with torch.no_grad():
             for k in range(self._next, len(self.buckets)):
                 self._launch(k)
+            before = self._before_settle()
+            if before is not None:
+                before()
             for path, b in zip(self._paths, self.buckets):
                 path.settle(b)
             self._in_flight.clear()

@@ -52,7 +52,7 @@ fp32 params now keep apart are counted as master_params.
 
 [Note: gather behind forward] After the update each rank holds new values for its own slice of
 each bucket only; one all-gather per bucket brings the rest. By default step() waits for them
-all. With overlap_param_gather=True (zerokern.shard units only) step() launches them, unit by
+all (and small buckets are gathered together: [Note: coalesced param gathers]). With overlap_param_gather=True (zerokern.shard units only) step() launches them, unit by
 unit in the order the next forward reaches the units, and returns. A unit's gathers are waited
 for in its forward pre-hook (as FSDP2 unshards a unit there), so the forward of the units
 before it overlaps them, as FSDP2's prefetch and Megatron's overlap_param_gather do; a module
@@ -72,6 +72,8 @@ import torch
 
 from ..comm.wire import ParamWire
 from ..core.states import ParamState
+from . import coalesced
+from .coalesced import Alone, CoalescedGather, plan_groups
 
 
 def quantizes(precision, comm) -> bool:
@@ -141,6 +143,17 @@ class BucketParams:
             f.shard_io[self.b].release_param()
         self.state = ParamState.GATHERING
 
+    def own_slice(self) -> torch.Tensor:
+        """This rank's slice of the full buffer (at stages 1/2 the update wrote it there)."""
+        return self.buffer[self._range[0]:self._range[1]]
+
+    def filled(self) -> None:
+        """SHARDED -> GATHERED: a coalesced gather wrote every rank's slice into the buffer
+        ([Note: coalesced param gathers] in params/coalesced.py)."""
+        if self.state is not ParamState.SHARDED or self.frees or self.wire is not None:
+            raise RuntimeError(f"zerokern internal error: bucket {self.b} filled in state {self.state}")
+        self.state = ParamState.GATHERED
+
     def wait(self) -> None:
         """GATHERING -> GATHERED."""
         if self.state is ParamState.GATHERING:
@@ -184,6 +197,8 @@ class GatherAfterStep:
         self.buckets = [BucketParams(s.flat, s.b, comm, frees=False, master=s.master,
                                      wire=param_wire(precision, comm, s.flat, s.b, adds=True)) for s in stores]
         self._pending = 0  # buckets in GATHERING: 0 makes every hook return at once
+        # [Note: coalesced param gathers] in params/coalesced.py: where step() waits at once
+        self.groups = [] if overlap or not comm.distributed else self._coalesced(self.buckets)
 
     @property
     def pending(self) -> bool:
@@ -196,11 +211,35 @@ class GatherAfterStep:
             bp.release()
             if bp.wire is not None:
                 bp.wire.count += 1  # a new key for the rounding of each update
+        if self.groups:  # each group one collective; two in flight at most (their staging buffers)
+            last = None
+            for group in self.groups:
+                group.launch()
+                if last is not None:
+                    last.wait()
+                last = group
+            last.wait()
+            return
+        for bp in self.buckets:
             bp.launch()
         self._pending = len(self.buckets) if self.overlap else 0  # overlap: the next forward's hooks wait
         if not self.overlap:
             for bp in self.buckets:
                 bp.wait()
+
+    def _coalesced(self, buckets) -> list:
+        """The groups of buckets gathered as one collective each (a group of one gathers as
+        launch() does), or [] where no two buckets coalesce."""
+        keys = [(bp.buffer.dtype, bp.buffer.device, bp.flat.rank, bp.flat.layout.world_size)
+                if bp.wire is None and bp.flat.shard_io is None and bp.buffer.is_contiguous() else None
+                for bp in buckets]
+        nbytes = [bp.buffer.numel() * bp.buffer.element_size() for bp in buckets]
+        groups = plan_groups(nbytes, keys, coalesced.LIMIT_BYTES)  # read at build: tests and bench set it
+        if all(len(g) == 1 for g in groups):
+            return []
+        return [CoalescedGather([buckets[b] for b in g], self.comm, buckets[g[0]].flat.rank,
+                                buckets[g[0]].flat.layout.world_size) if len(g) > 1 else Alone(buckets[g[0]])
+                for g in groups]
 
     def wait(self, ks) -> None:
         """GATHERING -> GATHERED for these buckets (by index into stores)."""

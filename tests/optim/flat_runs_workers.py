@@ -9,9 +9,6 @@ import torch.nn as nn
 
 import zerokern
 from zerokern.optim.state_dict import slice_of
-from zerokern.optim import zero_optimizer
-
-zero_optimizer.FLAT_RUNS = True  # off by default (a Trainer resume differs with them); these tests step them
 
 STEPS = 6
 OPTIMIZERS = {
@@ -88,3 +85,63 @@ def train(rank, world, name, stage):
             "elements": elements,
             "runs": sum(len(g.runs) for runs in opt._runs for g in runs._groups),
             "pieces": len(opt._piece)}
+
+
+def _schedule(opt):
+    """An lr that changes every step, as Trainer's warmup/decay does: a resumed run must step with
+    the scheduler's lr, not the one its optimizer was built with."""
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+
+
+def resume(rank, world, name, stage, save_at):
+    """An uninterrupted run of STEPS steps (with an lr schedule) against one that saves opt's and
+    the schedule's state dicts after save_at steps, and a fresh model and ZeroOptimizer that load
+    them and take the remaining steps; and both against one-process torch."""
+    cls, kw = OPTIMIZERS[name]
+    torch.manual_seed(5)
+    ref, whole, part = Net(), Net(), Net()
+    whole.load_state_dict(ref.state_dict())
+    part.load_state_dict(ref.state_dict())
+    ref_opt = cls(_groups(ref), **kw)
+    built = [zerokern.ZeroOptimizer(_groups(m), cls, zero_stage=stage, bucket_cap_mb=1e-4, **kw) for m in (whole, part)]
+    trio = [(ref, ref_opt, _schedule(ref_opt))] + [(m, o, _schedule(o)) for m, o in zip((whole, part), built)]
+    g = torch.Generator().manual_seed(6)
+    xs = [torch.randn(8, 7, generator=g) for _ in range(STEPS)]
+
+    def step(model, opt, sched, at):
+        opt.zero_grad()
+        model(xs[at], at).backward()
+        opt.step()
+        sched.step()
+
+    for at in range(STEPS):
+        for r in trio[:2] + (trio[2:] if at < save_at else []):
+            step(*r, at)
+    _, opt, sched = trio[2]
+    opt.finish_param_gather()
+    saved, saved_sched = opt.state_dict(), sched.state_dict()
+    resumed = Net()
+    resumed.load_state_dict(part.state_dict())  # the weights after save_at steps
+    opt2 = zerokern.ZeroOptimizer(_groups(resumed), cls, zero_stage=stage, bucket_cap_mb=1e-4, **kw)
+    sched2 = _schedule(opt2)
+    opt2.load_state_dict(saved)
+    sched2.load_state_dict(saved_sched)
+    for at in range(save_at, STEPS):
+        step(resumed, opt2, sched2, at)
+    for o in (built[0], opt2):
+        o.finish_param_gather()
+    with_runs = sum(len(grp.runs) for runs in opt2._runs for grp in runs._groups)
+
+    def same(a, b):
+        return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+
+    def diff(a, b):
+        return max((x - y).abs().max().item() for x, y in zip(a.parameters(), b.parameters()))
+
+    sd, sd2 = built[0].state_dict(), opt2.state_dict()
+    state_same = sd["state"].keys() == sd2["state"].keys() and all(
+        st.keys() == sd2["state"][i].keys() and all(torch.equal(v, sd2["state"][i][k]) for k, v in st.items())
+        for i, st in sd["state"].items())
+    return {"resumed_as_whole": same(resumed, whole), "diff": diff(resumed, whole), "state_same": state_same,
+            "whole_as_torch": same(whole, ref), "torch_diff": diff(whole, ref), "runs": with_runs,
+            "lr": [grp["lr"] for grp in opt2.param_groups], "ref_lr": [grp["lr"] for grp in ref_opt.param_groups]}

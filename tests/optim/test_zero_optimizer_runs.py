@@ -26,3 +26,17 @@ def test_runs_step_as_one_process_torch_bit_for_bit(name, stage):
             assert c == b
         else:
             assert c == (True, False, False, False, False, False), "C's scalars differ after its first skip"
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("name", sorted(W.OPTIMIZERS))
+def test_a_resumed_run_steps_its_runs_as_the_uninterrupted_one(name, stage):
+    """load_state_dict gives the inner optimizer new param group dicts (torch's load_state_dict
+    replaces them); the runs stepped with the lr of the old ones, the one they were built with, so a
+    resumed run under an lr schedule (HF Trainer's) went its own way."""
+    for rank, r in enumerate(dist_harness.values(dist_harness.run(W.resume, 2, name, stage, 3, timeout=120))):
+        assert r["runs"] > 0, "the resumed optimizer steps runs"
+        assert r["lr"] == r["ref_lr"], (rank, r["lr"], r["ref_lr"])
+        assert r["whole_as_torch"], (rank, r["torch_diff"])
+        assert r["resumed_as_whole"], (rank, r["diff"])
+        assert r["state_same"], rank

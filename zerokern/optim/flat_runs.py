@@ -21,7 +21,10 @@ checkpoint code and users see (self.state[p], state_dict()) keeps its per-param 
 some piece of a group is not stepped (no grad anywhere), or scalars that differ (a loaded state),
 unbinds the group: its scalars become each piece's own copy and its pieces step one by one, as
 without runs; a later step binds it again once its scalars agree. load_state_dict replaces every
-piece's state, so every group is bound again at its next step.
+piece's state, so every group is bound again at its next step. It replaces the inner optimizer's
+param group dicts too (torch's Optimizer.load_state_dict builds new ones), so the runs find their
+groups' options by position at each step, never through a dict kept from construction: one kept
+stepped a resumed run with the lr it was built with, not its LR scheduler's.
 """
 
 import torch
@@ -48,10 +51,11 @@ class FlatRuns:
     """One torch optimizer (the class of the groups it takes) over the runs of those groups' pieces."""
 
     def __init__(self, optimizer_class, kwargs, groups, inner):
-        """groups: per inner param group to run, (its dict, [(t, piece, store index, master, offset, numel)]).
-        inner: the inner optimizer (or InnerSet), whose .state keeps the pieces' state."""
-        self._owner, self._inner_groups, self._groups, run_groups = inner, [], [], []
-        for group, pieces in groups:
+        """groups: per inner param group to run, (its index in inner.param_groups, [(t, piece, store
+        index, master, offset, numel)]). inner: the inner optimizer (or InnerSet), whose .state keeps
+        the pieces' state and whose .param_groups their options."""
+        self._owner, self._at, self._groups, run_groups = inner, [], [], []
+        for position, pieces in groups:
             spans, empty = [], []  # spans: [store, start, end, master, pieces]
             for _, piece, s, master, off, n in sorted(pieces, key=lambda x: (x[2], x[4])):
                 if n == 0:
@@ -71,8 +75,8 @@ class FlatRuns:
                 runs.append(_Run((s, lo, hi), master[lo:hi], [(p, at[k], at[k + 1]) for k, p in enumerate(members)]))
             runs[0].members += [(piece, 0, 0) for piece in empty]
             self._groups.append(_Group(runs, [t for t, *_ in pieces]))
-            self._inner_groups.append(group)
-            run_groups.append({**_options(group), "params": [run.param for run in runs]})
+            self._at.append(position)
+            run_groups.append({**_options(inner.param_groups[position]), "params": [run.param for run in runs]})
         self.optimizer = optimizer_class(run_groups, **kwargs)
 
     def unbind_all(self):
@@ -96,8 +100,9 @@ class FlatRuns:
 
     def step(self):
         """Step the runs given grads, with the inner groups' options (LR schedulers change those)."""
-        for group, run_group in zip(self._inner_groups, self.optimizer.param_groups):
-            run_group.update(_options(group))
+        groups = self._owner.param_groups  # today's dicts: load_state_dict replaces them
+        for k, run_group in zip(self._at, self.optimizer.param_groups):
+            run_group.update(_options(groups[k]))
         self.optimizer.step()
         for g in self._groups:
             for run in g.runs:

@@ -73,8 +73,8 @@ _WHOLE_MATRIX = {"Muon": "muon", "Adafactor": "adafactor"}
 # (checked by a throwaway instance, as the default class's are). Each class runs as its own torch
 # optimizer over its groups (InnerSet, optim/inner_set.py). "optimizer" stays in the group, and in
 # state dicts; load_state_dict refuses a group saved with another class.
-# [Note: element-wise pieces as runs]: off until a resumed Trainer run steps as the uninterrupted one
-FLAT_RUNS = False
+# [Note: element-wise pieces as runs]: False steps every piece one by one (the same numbers, slower)
+FLAT_RUNS = True
 _SHARDING = ("zero_stage", "process_group", "bucket_cap_mb", "overlap_comm", "offload", "overlap_param_gather",
              "mesh", "reduce_precision", "gather_precision")
 
@@ -190,12 +190,10 @@ class ZeroOptimizer(EngineOptimizer):
             self._momentum.settle()  # codes, never an fp32 buffer
             inner_set.make_initial_state(self.inner, self._stepped(), inner_state.make_initial_state)
         # [Note: element-wise pieces as runs] in optim/flat_runs.py: torch's element-wise classes' groups
-        # Off for now (FLAT_RUNS): with runs, HF Trainer's resume is not bit for bit
-        # (tests/integrations/test_hf_trainer.py::test_trainer_with_a_zero_optimizer_resumes_bit_for_bit)
         runs = {} if self._disk is not None or not FLAT_RUNS else {c: [] for c in inner_classes if c in _ELEMENTWISE}
         for k, (gi, ts) in enumerate(zip(self._inner_groups, self._inner_ts)):
             if self._classes[gi] in runs:
-                runs[self._classes[gi]].append((self.inner.param_groups[k], [
+                runs[self._classes[gi]].append((k, [
                     (t, self._piece[t], self._where[t][0], stores[self._where[t][0]].master, *self._where[t][1:3])
                     for t in ts]))
         self._runs = [FlatRuns(c, args[c], groups, self.inner) for c, groups in runs.items() if groups]

@@ -1,6 +1,7 @@
 """The planner's matrix-optimizer rows (--optimizer muon|adafactor, zerokern/plan/matrix.py): each
 rank's state and Newton-Schulz work read off ZeroOptimizer's own layout, checked by hand, against a
-real module's params, and against the layout a ZeroOptimizer builds."""
+real module's params, against the layout a ZeroOptimizer builds, and (fp32 and int8 Muon momentum)
+against the state bytes a real ZeroOptimizer holds on one process and on 2 gloo ranks."""
 
 import json
 import math
@@ -10,7 +11,7 @@ import sys
 import pytest
 from zerokern.plan import plan
 from zerokern.plan.cli import main
-from zerokern.plan.matrix import model_shapes, ns_flops, plan_matrices
+from zerokern.plan.matrix import INT8_BLOCK, int8_momentum_bytes, model_shapes, ns_flops, plan_matrices
 from zerokern.zero.core.matrix_layout import plan_matrix_layout
 
 TINY = dict(layers=2, hidden=64, heads=2, vocab=128)
@@ -104,3 +105,121 @@ def test_json_has_the_matrix_rows():
     assert proc.returncode == 0, proc.stderr
     d = json.loads(proc.stdout)
     assert d["optimizer"] == "adafactor" and d["matrix"]["matrices"] == 8 and d["matrix"]["balance"] >= 1.0
+
+
+# --- the Muon momentum in int8 (--matrix-state-precision int8) ------------------------------------
+
+def test_int8_momentum_bytes_by_hand():
+    # [Note: int8 momentum of whole matrices]: m n codes + 2 m ceil(n / 64) (bf16 rho) + 4 n (fp32 c)
+    assert int8_momentum_bytes((128, 128)) == 128 * 128 + 2 * 128 * 2 + 4 * 128  # 1.0625 an element
+    assert int8_momentum_bytes((9, 300)) == 2_700 + 2 * 9 * 5 + 4 * 300
+    # docs/matrix_optimizers.md's loss run: 4 layers of d 128, 16 matrices, 3,145,728 fp32 bytes -> 825,344
+    p = plan(layers=4, hidden=128, heads=4, vocab=256, optimizer="muon", matrix_state_precision="int8")
+    fp32 = plan(layers=4, hidden=128, heads=4, vocab=256, optimizer="muon")
+    assert (p.matrix.matrix_state_bytes, fp32.matrix.matrix_state_bytes) == (825_344, 3_145_728)
+    assert p.matrix.state_precision == "int8" and fp32.matrix.state_precision == "fp32"
+    # AdamW's share is the same in both; stage 0 holds all of it, stages 1-3 the busiest rank's
+    assert p.stages[0].adam_bytes - p.matrix.matrix_state_bytes == fp32.stages[0].adam_bytes - 3_145_728
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (1, 64), (1, 65), (9, 300), (33, 9), (127, 4097), (0, 5)])
+def test_int8_momentum_bytes_are_the_codecs_tensors(shape):
+    """The planner (no torch) keeps its own copy of the codec's layout; here it meets the runtime's:
+    the block, and the bytes of what encode_rows makes for odd shapes (a short last block, one
+    element, a row longer than 64 blocks, no rows)."""
+    torch = pytest.importorskip("torch")
+    from zerokern.optim import lowbit_momentum
+
+    assert INT8_BLOCK == lowbit_momentum.BLOCK
+    m = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    held = lowbit_momentum.encode_rows(m)
+    assert sum(t.numel() * t.element_size() for t in held) == int8_momentum_bytes(shape)
+
+
+def _stepped(cases, world):
+    """Each case's state on each rank of a real ZeroOptimizer (plan_matrix_workers.py)."""
+    import dist_harness
+    import plan_matrix_workers as W
+
+    if world == 1:
+        return [[W.state_bytes(precision, **kw)] for precision, kw in cases]
+    out = dist_harness.values(dist_harness.run(W.ranks, world, cases, timeout=300))
+    return [[r[k] for r in out] for k in range(len(cases))]
+
+
+def _planned(precision, world, dtype, bucket_cap_mb):
+    import plan_matrix_workers as W
+
+    return plan(**W.SHAPE, dp=world, dtype=dtype, bucket_cap_mb=bucket_cap_mb, optimizer="muon",
+                matrix_state_precision=precision)
+
+
+def _check(got, planned):
+    """Each rank's per-element state is the planned row to the byte; what else it holds is torch's
+    0-dim AdamW `step`, one a tensor on every rank (empty pieces too), not planned ([Note: matrix
+    optimizers in the plan])."""
+    import plan_matrix_workers as W
+
+    m = planned.matrix
+    assert [r["per_element"] for r in got] == list(m.state_bytes), ([r["per_element"] for r in got], m.state_bytes)
+    assert max(m.state_bytes) == planned.stages[2].adam_bytes and planned.stages[0].adam_bytes == sum(m.state_bytes)
+    shapes, whole = model_shapes("gpt", W.SHAPE["layers"], W.SHAPE["hidden"], W.SHAPE["vocab"])
+    for r in got:
+        assert r["scalars"] == [("step", 4)] * (len(shapes) - len(whole)), r["scalars"]
+    assert sorted(name for r in got for name in r["matrices"]) == sorted(
+        f"blocks.{i}.{k}.weight" for i in range(2) for k in ("qkv", "proj", "fc1", "fc2")), "each matrix on one rank"
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_one_process_holds_the_planned_state(dtype):
+    """A tiny GPT registered as model_shapes lists it, one step of ZeroOptimizer (Muon + AdamW),
+    fp32 and int8 momentum: the state it holds is the plan's, to the byte, and int8 is less."""
+    import torch
+
+    cases = [(precision, dict(dtype=getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[dtype]),
+                              bucket_cap_mb=0.02)) for precision in ("fp32", "int8")]
+    got = _stepped(cases, 1)
+    for (precision, _), g in zip(cases, got):
+        _check(g, _planned(precision, 1, dtype, 0.02))
+    assert got[1][0]["per_element"] < got[0][0]["per_element"] / 2
+
+
+def test_two_ranks_at_stage_2_hold_the_planned_state():
+    """2 gloo ranks, stage 2, the model shard()ed as one unit (its layout in registration order,
+    the planner's): each rank's state is its planned row, fp32 and int8 momentum, with small
+    buckets (several a layer) and one large one (the ranks' shares then differ, so a row given to
+    the other rank would fail). The optimizer's own layout (no shard(), param groups' order) holds
+    the same state in all, but may give a rank another's share."""
+    cases = [(precision, dict(bucket_cap_mb=cap)) for precision in ("fp32", "int8") for cap in (0.02, 25.0)]
+    cases += [("int8", dict(bucket_cap_mb=25.0, units=False))]
+    got = _stepped(cases, 2)
+    for (precision, kw), g in zip(cases[:4], got):
+        _check(g, _planned(precision, 2, "fp32", kw["bucket_cap_mb"]))
+    large = _planned("int8", 2, "fp32", 25.0).matrix.state_bytes
+    assert large[0] != large[1], "the large bucket's shares differ, so the per-rank check can tell ranks apart"
+    assert sum(r["per_element"] for r in got[4]) == sum(large)
+
+
+def test_cli_prints_the_int8_row_and_refuses_what_the_runtime_refuses(capsys):
+    shape = ["--layers", "4", "--hidden", "128", "--heads", "4", "--vocab", "256", "--dp", "2", "--optimizer"]
+    assert main(shape + ["muon", "--matrix-state-precision", "int8"]) == 0
+    out = capsys.readouterr().out
+    assert "Muon on the layers' matrices (int8 momentum), AdamW with fp32 moments on the rest" in out
+    assert ("muon: Muon on 16 matrices (7.864e+05 params, an int8 momentum each: uint8 codes, a bf16 scale per 64 "
+            "elements of a row and an fp32 one per column, 825,344 bytes in all, 1.049 an element") in out
+    assert main(shape + ["muon", "--json", "--matrix-state-precision", "int8"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["matrix_state_precision"] == "int8" and d["matrix"]["matrix_state_bytes"] == 825_344
+    for bad, message in (
+            (["adafactor", "--matrix-state-precision", "int8"],
+             "ZeroOptimizer refuses state_precision on a group that is not Muon's"),
+            (["adam", "--matrix-state-precision", "int8"], "use optimizer='muon', or state_precision='int8' for"),
+            (["muon", "--matrix-state-precision", "int8", "--no-master-weights"],
+             "ZeroOptimizer refuses int8 Muon momentum beside bf16 params without masters"),
+            (["muon", "--matrix-state-precision", "int4"], "invalid choice: 'int4'")):
+        with pytest.raises(SystemExit) as e:
+            main(shape + bad)
+        assert e.value.code == 2
+        assert message in capsys.readouterr().err, bad
+    with pytest.raises(ValueError, match="unknown matrix_state_precision 'bf16'"):
+        plan(layers=2, hidden=64, heads=2, vocab=128, optimizer="muon", matrix_state_precision="bf16")

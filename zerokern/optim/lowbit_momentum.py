@@ -33,7 +33,8 @@ rho_ib x c_k, whose ratio is rho_ib within an fp32 ulp, which
 - the scales depend on the matrix alone, not on where it lies in a shard: ranks, stages and one
   process agree bit for bit.
 Bytes per momentum element: 1 + 2 x ceil(cols / BLOCK) / cols + 4 / rows (1.0625 for 128 x 128),
-against 4.
+against 4. The planner (no torch) counts the same in plan/matrix.py's int8_momentum_bytes; a change
+of layout here must change it there (tests/plan/test_plan_matrix.py holds the two equal).
 
 The step (step(), in place of the inner optimizer's): every other piece steps first, as before;
 then each int8 matrix in turn gets its fp32 momentum_buffer decoded, torch.optim.Muon.step() runs

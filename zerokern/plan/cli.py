@@ -10,7 +10,7 @@ import sys
 from . import disk
 from .activations import ACT_BYTES, CHECKPOINTING
 from .matrix import OPTIMIZERS
-from .model import DTYPE_BYTES, STATE_BYTES, plan
+from .model import DTYPE_BYTES, MATRIX_STATE_PRECISIONS, STATE_BYTES, plan
 from .traffic import GATHER_PRECISIONS, REDUCE_PRECISIONS, quantized
 from .units import parse_size
 
@@ -90,6 +90,10 @@ def parser():
                     help="muon or adafactor: torch.optim.Muon / Adafactor on the layers' 2-D weights, each whole on "
                          "one rank, AdamW on the rest (ZeroOptimizer's mixed groups); needs the shape. Adds each "
                          "rank's state and Newton-Schulz work")
+    hw.add_argument("--matrix-state-precision", choices=list(MATRIX_STATE_PRECISIONS), default="fp32",
+                    help="--optimizer muon: the Muon momentum in fp32 (4 bytes an element) or int8 (uint8 codes, a "
+                         "bf16 scale per 64 elements of a row and an fp32 one per column: about 1.05 bytes); a "
+                         "Muon param group's \"state_precision\" in ZeroOptimizer")
     hw.add_argument("--no-master-weights", action="store_true",
                     help="bf16 params updated without fp32 masters (stochastic rounding): FusedZeroAdam's "
                          "master_weights=False")
@@ -149,7 +153,8 @@ def render(p, marked=None, bandwidth_assumed=False):
     lines = [f"zerokern plan: {p.params_total:.4g} params in all, {p.params_per_gpu:.4g} on each GPU; "
              f"dp={p.dp} tp={p.tp} pp={p.pp}, {p.dtype}, "
              + (f"Adam with {p.state_precision} moments" if p.matrix is None else
-                f"{_NAMES[p.optimizer]} on the layers' matrices, AdamW with "
+                f"{_NAMES[p.optimizer]} on the layers' matrices"
+                + (" (int8 momentum)" if p.matrix.state_precision == "int8" else "") + ", AdamW with "
                 f"{p.state_precision if p.master_weights else 'bf16'} moments on the rest")
              + ("" if p.master_weights or p.dtype == "fp32" else ", no fp32 masters")
              + ({"cpu": ", optimizer offloaded to CPU", "nvme": ", optimizer state on disk (nvme)"}.get(
@@ -288,12 +293,18 @@ def _matrix_lines(p):
     if m is None:
         return []
     name = _NAMES[m.optimizer]
-    kind = "fp32" if p.master_weights else "bf16"  # without masters torch keeps bf16 state
-    state = f"a {kind} momentum" if m.optimizer == "muon" else f"{kind} row and column statistics"
+    kind = m.state_precision  # without masters torch keeps bf16 state
+    state = (f"an {kind} momentum" if kind == "int8" else f"a {kind} momentum") if m.optimizer == "muon" else \
+        f"{kind} row and column statistics"
+    state += " each"
+    if kind == "int8":  # [Note: int8 momentum of whole matrices]: the codec's tensors, exactly
+        state += (": uint8 codes, a bf16 scale per 64 elements of a row and an fp32 one per column, "
+                  f"{m.matrix_state_bytes:,.0f} bytes in all, {m.matrix_state_bytes / m.matrix_params:.3f} an "
+                  "element against fp32's 4")
     work = (f"Newton-Schulz per step, GFLOP per rank: max {max(m.work) / 1e9:.3g}, mean "
             f"{sum(m.work) / len(m.work) / 1e9:.3g}" if m.optimizer == "muon" else
             f"elements per step per rank: max {max(m.work):.4g}, mean {sum(m.work) / len(m.work):.4g}")
-    return [f"{m.optimizer}: {name} on {m.matrices} matrices ({m.matrix_params:.4g} params, {state} each), each whole on "
+    return [f"{m.optimizer}: {name} on {m.matrices} matrices ({m.matrix_params:.4g} params, {state}), each whole on "
             f"one rank and stepped there once a step; AdamW on {m.elementwise_params:.4g} params; the adam column is "
             f"both optimizers' state on the busiest of {p.dp} ranks",
             f"{m.optimizer}: {work}, balance {m.balance:.3f} (max/mean); the matrix-whole layout pads "
@@ -338,7 +349,7 @@ def main(argv=None):
                  checkpointing=args.checkpointing, act_dtype=args.act_dtype,
                  reduce_precision=None if args.reduce_precision == "none" else args.reduce_precision,
                  gather_precision=None if args.gather_precision == "none" else args.gather_precision,
-                 disk_rate=rate, optimizer=args.optimizer)
+                 disk_rate=rate, optimizer=args.optimizer, matrix_state_precision=args.matrix_state_precision)
     except ValueError as e:
         ap.error(str(e))  # exit code 2
     if args.json:

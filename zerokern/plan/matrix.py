@@ -15,11 +15,22 @@ dtype) and reads each rank's share off the layout:
   elements. The balance is max / mean of the ranks' work.
 - padding: equal shards of buckets whose slots hold whole matrices ([Note: whole matrices in
   equal shards]); reported, and in the sharded columns' bytes it is not counted.
-The Muon group's momentum is fp32 whatever --state-precision says (that sets AdamW's moments):
-low-bit momentum is not planned. Without fp32 masters (ZeroOptimizer(master_weights=False), bf16
-params: [Note: bf16 params without masters] in optim/no_master.py) torch's optimizers keep their
-state in bf16: 2 bytes an element of Muon's momentum and Adafactor's statistics
-(matrix_state_bytes 2), AdamW's two moments 4 (model.py passes both).
+The matrix optimizer's state precision (state_precision here, plan()'s matrix_state_precision,
+--matrix-state-precision; --state-precision sets AdamW's moments only):
+- "fp32": 4 bytes a value, as above;
+- "bf16": without fp32 masters (ZeroOptimizer(master_weights=False), bf16 params: [Note: bf16
+  params without masters] in optim/no_master.py) torch's optimizers keep their state in bf16, 2
+  bytes a value of Muon's momentum and Adafactor's statistics, and AdamW's two moments 4 (model.py
+  passes both);
+- "int8": a Muon group's "state_precision": "int8" ([Note: int8 momentum of whole matrices] in
+  optim/lowbit_momentum.py): per matrix of m rows and n columns, m n uint8 codes, a bf16 scale a
+  row block of INT8_BLOCK elements (m ceil(n / INT8_BLOCK) of them) and an fp32 scale a column
+  (n): int8_momentum_bytes, exact, the sizes of the tensors the runtime keeps between steps (a
+  step decodes one matrix's fp32 momentum at a time; that transient is headroom, not planned).
+  Where the runtime refuses it, so does the plan: Adafactor's state (no int8 form) and bf16 params
+  without masters (the codec decodes to an fp32 momentum).
+Not counted in any of them: the 0-dim fp32 `step` torch's AdamW keeps a piece (4 bytes a tensor
+a rank), nor Muon's and the codec's temporaries during a step.
 """
 
 import math
@@ -30,16 +41,24 @@ from zerokern.zero.core.matrix_layout import plan_matrix_layout
 
 OPTIMIZERS = ("adam", "muon", "adafactor")
 NS_STEPS = 5  # torch.optim.Muon's default ns_steps
+# the matrix optimizer's state: bytes a value ("int8": int8_momentum_bytes, Muon's momentum only)
+STATE_PRECISIONS = {"fp32": 4, "bf16": 2, "int8": None}
+# lowbit_momentum.BLOCK: elements of a row one bf16 scale covers. The planner imports no torch, and
+# that module does; tests/plan/test_plan_matrix.py holds the two equal and int8_momentum_bytes to
+# the bytes of the tensors encode_rows makes
+INT8_BLOCK = 64
 
 
 @dataclass(frozen=True)
 class MatrixPlan:
     optimizer: str  # "muon" or "adafactor"
+    state_precision: str  # of the matrix optimizer's state: "fp32", "bf16" (no masters), "int8" (Muon's momentum)
     matrices: int  # tensors the matrix optimizer steps (the 2-D hidden weights)
     matrix_params: int
     elementwise_params: int  # AdamW's: embeddings, norms, biases
     state_bytes: Tuple[float, ...]  # per rank at stages 1-3: matrix state of its matrices + AdamW's of its slice
     state_bytes_unsharded: float  # every rank's at stage 0
+    matrix_state_bytes: float  # the matrix optimizer's state of all the matrices (in both state_bytes columns)
     work: Tuple[float, ...]  # per rank per step: Newton-Schulz flops (muon) or elements (adafactor)
     work_unit: str
     padding_params: int  # elements of padding the matrix-whole layout adds over the whole model
@@ -57,6 +76,14 @@ def ns_flops(shape: Sequence[int], steps: int = NS_STEPS) -> int:
     """Muon's Newton-Schulz on one matrix, one step ([Note: matrix optimizers in the plan])."""
     m, n = sorted(shape)
     return steps * (4 * m * m * n + 2 * m ** 3)
+
+
+def int8_momentum_bytes(shape: Sequence[int]) -> int:
+    """Bytes of one matrix's int8 momentum between steps ([Note: int8 momentum of whole matrices]
+    in optim/lowbit_momentum.py): codes (uint8, the matrix's shape), rho (bf16, rows x
+    ceil(cols / INT8_BLOCK)) and the column scales (fp32, cols)."""
+    rows, cols = shape
+    return rows * cols + 2 * rows * -(-cols // INT8_BLOCK) + 4 * cols
 
 
 def model_shapes(arch, layers, hidden, vocab, ffn_hidden=None, heads=None, kv_heads=None):
@@ -86,19 +113,25 @@ def model_shapes(arch, layers, hidden, vocab, ffn_hidden=None, heads=None, kv_he
 
 
 def plan_matrices(optimizer, shapes, matrices, dp, bucket_cap_elements, adam_bytes_per_param,
-                  matrix_state_bytes=4) -> MatrixPlan:
+                  state_precision="fp32") -> MatrixPlan:
     """The per-rank state and work of `optimizer` ("muon", "adafactor") on `matrices` (indices
     into `shapes`, gradient order) with AdamW on the other tensors, over dp ranks.
-    matrix_state_bytes: bytes of one value of the matrix optimizer's state (4: fp32, stepping
-    fp32 masters; 2: bf16, without masters)."""
+    state_precision: the matrix optimizer's state ("fp32": stepping fp32 masters; "bf16": without
+    masters; "int8": Muon's momentum in the int8 codec), [Note: matrix optimizers in the plan]."""
     if optimizer not in OPTIMIZERS[1:]:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS[1:]} here, got {optimizer!r}")
+    if state_precision not in STATE_PRECISIONS:
+        raise ValueError(f"state_precision must be one of {', '.join(STATE_PRECISIONS)}, got {state_precision!r}")
+    if state_precision == "int8" and optimizer != "muon":
+        raise ValueError(f"state_precision='int8' is Muon's momentum in int8; {optimizer}'s state has no int8 form")
     ml = plan_matrix_layout(shapes, matrices, dp, bucket_cap_elements, cost=optimizer)
     whole = set(matrices)
     numels = [math.prod(s) for s in shapes]
 
     def state_of(i):  # one matrix's state, bytes
-        return matrix_state_bytes * (numels[i] if optimizer == "muon" else sum(shapes[i]))
+        if state_precision == "int8":
+            return int8_momentum_bytes(shapes[i])
+        return STATE_PRECISIONS[state_precision] * (numels[i] if optimizer == "muon" else sum(shapes[i]))
 
     def work_of(i):
         return ns_flops(shapes[i]) if optimizer == "muon" else numels[i]
@@ -112,8 +145,10 @@ def plan_matrices(optimizer, shapes, matrices, dp, bucket_cap_elements, adam_byt
         work.append(float(sum(work_of(i) for i in owned)))
     matrix_params = sum(numels[i] for i in whole)
     elementwise_params = sum(numels) - matrix_params
-    return MatrixPlan(optimizer=optimizer, matrices=len(whole), matrix_params=matrix_params,
-                      elementwise_params=elementwise_params, state_bytes=tuple(state),
-                      state_bytes_unsharded=sum(state_of(i) for i in whole) + adam_bytes_per_param * elementwise_params,
+    matrix_state = sum(state_of(i) for i in whole)
+    return MatrixPlan(optimizer=optimizer, state_precision=state_precision, matrices=len(whole),
+                      matrix_params=matrix_params, elementwise_params=elementwise_params, state_bytes=tuple(state),
+                      state_bytes_unsharded=matrix_state + adam_bytes_per_param * elementwise_params,
+                      matrix_state_bytes=matrix_state,
                       work=tuple(work), work_unit="flops" if optimizer == "muon" else "elements",
                       padding_params=ml.padding_numel)

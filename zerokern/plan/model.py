@@ -87,6 +87,8 @@ from typing import List, Optional
 from . import traffic
 from .activations import ActivationPlan, activation_memory, largest_tokens
 from .matrix import OPTIMIZERS, MatrixPlan, model_shapes, plan_matrices
+
+MATRIX_STATE_PRECISIONS = ("fp32", "int8")  # ZeroOptimizer's per-group state_precision (lowbit_momentum.PRECISIONS)
 from .units import to_bytes
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -161,6 +163,7 @@ class Plan:
     disk_rate: Optional[tuple] = None
     optimizer: str = "adam"  # or "muon", "adafactor" on the 2-D hidden weights ([Note: matrix optimizers in the plan])
     matrix: Optional[MatrixPlan] = None  # their per-rank state and work over dp ranks (hybrid: dp/hosts)
+    matrix_state_precision: str = "fp32"  # "int8": the Muon group's momentum in int8 (matrix.py)
 
     @property
     def largest_micro_batch(self) -> Optional[dict]:
@@ -232,7 +235,7 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
          dp_bandwidth=100e9, bucket_cap_mb=25.0, largest_param=None, unit_params=None, root_params=None,
          state_precision="fp32", master_weights=True, hosts=1, seq=None, micro_batch_size=1,
          checkpointing="none", act_dtype=None, reduce_precision=None, gather_precision=None,
-         disk_rate=None, optimizer="adam") -> Plan:
+         disk_rate=None, optimizer="adam", matrix_state_precision="fp32") -> Plan:
     """The memory and communication plan for every ZeRO stage. Give either
     `params` (a count; tp and pp then split it evenly) or the shape (layers,
     hidden, heads, vocab[, ffn_hidden]) of a GPT-style (arch="gpt") or Llama-style
@@ -256,7 +259,10 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
     optimizer on the layers' 2-D weights and AdamW on the rest (ZeroOptimizer's mixed groups, each
     matrix whole on one rank), the adam column is both optimizers' state on the busiest rank and
     Plan.matrix has each rank's state and work ([Note: matrix optimizers in the plan] in matrix.py);
-    it needs the shape, tp = pp = 1, and no offload."""
+    it needs the shape, tp = pp = 1, and no offload. matrix_state_precision ("fp32", "int8") is
+    the Muon group's "state_precision": "int8" keeps its momentum as int8 codes and scales,
+    planned at the codec's exact bytes a matrix; refused where the runtime refuses it (Adafactor,
+    Adam alone, master_weights=False)."""
     if arch not in ("gpt", "llama"):
         raise ValueError(f"arch must be 'gpt' or 'llama', got {arch!r}")
     if dtype not in DTYPE_BYTES:
@@ -282,6 +288,20 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
         raise ValueError(f"optimizer={optimizer!r} with master_weights=False keeps torch's optimizers' state in bf16, "
                          f"as they keep it for bf16 params; state_precision={state_precision!r} has no meaning there. "
                          "Leave state_precision='fp32' (the default)")
+    if matrix_state_precision not in MATRIX_STATE_PRECISIONS:
+        raise ValueError(f"unknown matrix_state_precision {matrix_state_precision!r}; choose one of "
+                         f"{', '.join(MATRIX_STATE_PRECISIONS)}")
+    if matrix_state_precision == "int8":  # where ZeroOptimizer refuses a group's "state_precision": "int8"
+        if optimizer != "muon":
+            raise ValueError(f"matrix_state_precision='int8' keeps torch.optim.Muon's momentum in int8 (a Muon "
+                             f"param group's \"state_precision\": \"int8\"), and optimizer={optimizer!r}: "
+                             + ("ZeroOptimizer refuses state_precision on a group that is not Muon's (Adafactor's "
+                                "statistics have no int8 form)" if optimizer == "adafactor" else
+                                "use optimizer='muon', or state_precision='int8' for Adam's moments"))
+        if not master_weights:
+            raise ValueError("matrix_state_precision='int8' with master_weights=False: ZeroOptimizer refuses int8 "
+                             "Muon momentum beside bf16 params without masters (its codec decodes to an fp32 "
+                             "momentum); keep the masters or the bf16 momentum (matrix_state_precision='fp32')")
     traffic.check_precisions(reduce_precision, gather_precision)
     for name, v in (("dp", dp), ("tp", tp), ("pp", pp), ("micro_batches", micro_batches),
                     ("bucket_cap_mb", bucket_cap_mb), ("hosts", hosts)):
@@ -373,9 +393,10 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
         shapes, whole = model_shapes(arch, layers, hidden, vocab, ffn_hidden, heads, kv_heads)
         cap = int(bucket_cap_mb * 2**20 // b)
         # without masters torch's optimizers keep bf16 state ([Note: matrix optimizers in the plan])
-        adam_el, matrix_el = (STATE_BYTES[state_precision], 4) if master_weights else (STATE_BYTES["bf16"], 2)
+        adam_el, kept = ((STATE_BYTES[state_precision], matrix_state_precision) if master_weights else
+                         (STATE_BYTES["bf16"], "bf16"))
         for d in {dp, dp // hosts}:
-            matrices[d] = plan_matrices(optimizer, shapes, whole, d, cap, adam_el, matrix_el)
+            matrices[d] = plan_matrices(optimizer, shapes, whole, d, cap, adam_el, kept)
 
     def adam_for(stage, d):  # what _stage shards by d from stage 1 on: the busiest rank's share times d
         if optimizer == "adam":
@@ -414,7 +435,7 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
                 state_precision=state_precision, master_weights=master_weights, hosts=hosts, activations=acts,
                 reduce_precision=reduce_precision, gather_precision=gather_precision,
                 disk_rate=None if disk_rate is None else tuple(disk_rate), optimizer=optimizer,
-                matrix=matrices.get(dp),
+                matrix=matrices.get(dp), matrix_state_precision=matrix_state_precision,
                 fit_tokens=None if acts is None else {
                     c: [largest_tokens(st.headroom_bytes + act, per_token[c]) for st in stages]
                     for c in per_token})

@@ -64,10 +64,10 @@ def _shard_arg(scenario, model, how):
     return lambda name, p: kind(scenario, name if name.startswith(("emb", "head")) else "blocks.x." + name, p)
 
 
-def _built(scenario, stage, mesh, dtype, how):
+def _built(scenario, stage, mesh, dtype, how, wide=False):
     """how: "optimizer" (stages 1/2, the optimizer lays the params out) or units from shard() with
-    matrices= given by _shard_arg's "dict" or "predicate"."""
-    model = U._net(dtype)
+    matrices= given by _shard_arg's "dict" or "predicate". wide: muon_units_workers' wide blocks."""
+    model = U._net(dtype, wide)
     where = {} if mesh is None else {"mesh": mesh}
     if how == "optimizer":
         kw = dict(zero_stage=stage, bucket_cap_mb=1e-4, **where)
@@ -80,13 +80,21 @@ def _built(scenario, stage, mesh, dtype, how):
     return model, zerokern.ZeroOptimizer(_groups(scenario, model), torch.optim.AdamW, **kw)
 
 
-def same_batch(rank, world, scenario, cases):
-    """cases: [(stage, mesh, dtype, how)]. Per case: a matrix_helpers.RankResult (the state: every
+def same_batch(rank, world, scenario, cases, split=False):
+    """cases: [(stage, mesh, dtype, how)]. split: each rank trains on its own share of every batch
+    (rank r the r-th of world equal row blocks), the reference on the whole batch; a bool for every
+    case, or a list of them, one a case. Per case: a matrix_helpers.RankResult (the state: every
     class's, in state_dict())."""
     out = []
-    for stage, mesh, dtype, how in cases:
-        model, opt = _built(scenario, stage, mesh, dtype, how)
-        diff, state, full, whole = against_reference(scenario, model, opt, dtype)
+    splits = split if isinstance(split, list) else [split] * len(cases)
+    for (stage, mesh, dtype, how), split in zip(cases, splits, strict=True):
+        # on 4 ranks without a mesh the blocks are wide: 4 matrices a block, so that every rank owns
+        # one (a block of 2 matrices and 3 small 1-D params leaves a rank of 4 without a whole param)
+        wide = world == 4 and mesh is None
+        model, opt = _built(scenario, stage, mesh, dtype, how, wide)
+        share = len(U._batches()[0]) // world
+        rows = slice(rank * share, (rank + 1) * share) if split else slice(None)
+        diff, state, full, whole = against_reference(scenario, model, opt, dtype, rows, wide)
         group = dist.get_process_group_ranks(opt.engine.comm.group)
         out.append(RankResult(diff, state, opt.matrices_stepped, owned_whole(opt), whole,
                               {n: v.clone() for n, v in full.items()}, group))
@@ -94,19 +102,20 @@ def same_batch(rank, world, scenario, cases):
     return out
 
 
-def against_reference(scenario, model, opt, dtype):
-    """STEPS steps of model and opt beside one-process torch optimizers on the same batches:
+def against_reference(scenario, model, opt, dtype, rows=slice(None), wide=False):
+    """STEPS steps of model and opt beside one-process torch optimizers on the same batches (rows:
+    the ones model takes of each; the reference takes them all):
     (max |param - reference| over the full state dict, max |state - reference's| over
     opt.state_dict() (a collective), the full state dict, how many params the optimizer steps
     whole)."""
-    ref = U._net(dtype)
+    ref = U._net(dtype, wide)
     ref_opt = _Reference(scenario, ref)
     for x in U._batches():
         ref_opt.zero_grad()
         ref(x).backward()
         ref_opt.step()
         opt.zero_grad()
-        model(x).backward()
+        model(x[rows]).backward()
         opt.step()
     full = zerokern.full_state_dict(model, rank0_only=False)
     diff = max((full[n].float() - q.float()).abs().max().item() for n, q in ref.state_dict().items())

@@ -143,3 +143,9 @@ def checkpoint(rank, world, cls_name, stage):
               for _, st in sorted(sd["state"].items())]
     return (layout, [torch.equal(p, q) for p, q in zip(model.parameters(), one.parameters())],
             [torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters())])
+
+
+def several(rank, world, configs):
+    """against_one_process for each (class name, stage, params' dtype, same) in one process group
+    (spawning the ranks costs more than these tiny runs)."""
+    return [against_one_process(rank, world, cls_name, stage, dtype, same) for cls_name, stage, dtype, same in configs]

@@ -140,12 +140,14 @@ def same_batch(rank, world, cases, split=False, int8=False):
     """cases: [(stage, mesh, dtype, how)] (how: _built's); on 4 ranks without a mesh the model is
     wide. split: each rank trains on its own share of every batch (rank r the r-th of world equal
     row blocks: the mean of the ranks' means is the whole batch's), the reference on the whole
-    batch. int8: Muon's momentum in int8 (each owned matrix's state is checked to be its codes and
-    scales only). Each rank checks that torch's Newton-Schulz ran as often as matrices_stepped
-    counts. Per case: a matrix_helpers.RankResult (the state: Muon's momentum and AdamW's moments
-    in state_dict(), torch's layout)."""
+    batch; a bool for every case, or a list of them, one a case. int8: Muon's momentum in int8
+    (each owned matrix's state is checked to be its codes and scales only). Each rank checks that
+    torch's Newton-Schulz ran as often as matrices_stepped counts. Per case: a
+    matrix_helpers.RankResult (the state: Muon's momentum and AdamW's moments in state_dict(),
+    torch's layout)."""
     out = []
-    for stage, mesh, dtype, how in cases:
+    splits = split if isinstance(split, list) else [split] * len(cases)
+    for (stage, mesh, dtype, how), split in zip(cases, splits, strict=True):
         wide = world == 4 and mesh is None
         model, opt = _built(stage, mesh, dtype, how, wide, int8)
         ref = _net(dtype, wide)

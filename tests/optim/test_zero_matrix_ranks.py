@@ -22,11 +22,11 @@ import matrix_rank_workers as W
 # Measured 2026-12-06 on a 2-core CPU box (W.against_one_process, its diffs printed), max over ranks and stages:
 #                          same batch   own share of the batch
 #   Adafactor, fp32, 2/4       0.0        5.96e-08
-#   Adafactor, bf16 params     0.0        1.95e-03 (one bf16 ulp at |p| < 0.5)
+#   Adafactor, bf16 params     0.0        1.95e-03 (one bf16 ulp at |p| < 0.5; stages 1 and 2)
 #   Muon, fp32, 4 ranks        0.0        5.17e-03
 #   Muon, bf16 params, 4       0.0        3.42e-02
 #   Muon, fp32, 2 ranks          -        9.47e-03
-#   Muon, bf16 params, 2         -        3.42e-02
+#   Muon, bf16 params, 2       0.0        3.42e-02 (same batch: stage 1; own share: stages 1 and 2)
 # Same batch: the issue's bars (Adafactor 1e-5, Muon 1e-6); bf16 params against torch's Muon and
 # AdamW on fp32 masters rounded to nearest, as zerokern keeps them, so the same bits are expected.
 SAME = {("Adafactor", torch.float32): 1e-5, ("Adafactor", torch.bfloat16): 0.0, ("Muon", torch.float32): 1e-6,
@@ -73,7 +73,29 @@ CASES += [pytest.param("Muon", 2, stage, dtype, False, id=f"muon-2ranks-stage{st
 def test_matrix_optimizer_on_ranks_is_one_process(cls, world, stage, dtype, same):
     if not hasattr(torch.optim, cls):
         pytest.skip(f"torch.optim.{cls} is not in this torch")
-    out = dist_harness.values(dist_harness.run(W.against_one_process, world, cls, stage, dtype, same, timeout=600))
+    _check(dist_harness.values(dist_harness.run(W.against_one_process, world, cls, stage, dtype, same, timeout=600)),
+           cls, world, stage, dtype)
+
+
+# Stage 1 with bf16 params: Muon + AdamW on 2 ranks, Adafactor + AdamW on 2 and 4 (every rank on the
+# same batch, on its own share, and Adafactor with every param): one process group a world size.
+STAGE_1_BF16 = {2: [("Muon", 1, torch.bfloat16, True), ("Adafactor", 1, torch.bfloat16, True)],
+                4: [("Adafactor", 1, torch.bfloat16, True)]}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_stage_1_with_bf16_params_on_ranks_is_one_process(world):
+    """Stage 1 keeps the grads whole on every rank until the step, stage 2 reduce-scatters them:
+    the same bars hold, as the ranks reduce the same sums in both."""
+    configs = [c for c in STAGE_1_BF16[world] if hasattr(torch.optim, c[0])]
+    out = dist_harness.values(dist_harness.run(W.several, world, configs, timeout=600))
+    for k, (cls, stage, dtype, _) in enumerate(configs):
+        _check([o[k] for o in out], cls, world, stage, dtype)
+
+
+def _check(out, cls, world, stage, dtype):
+    """out: per rank, W.against_one_process's dict. Each run within its bar of the one-process run,
+    every rank bit-identical, each whole param stepped once a step on one rank."""
     bars = {"same": SAME[cls, dtype], "split": SPLIT[cls, dtype], "everything": SAME[cls, dtype]}
     params = len(list(W.net(dtype).parameters()))
     for run, bar in bars.items():

@@ -62,7 +62,6 @@ def worker(rank, world, init, args, out):
     for r in range(args.steps):
         shift = r % len(variants)
         for v in variants[shift:] + variants[:shift]:
-            opt = v.opts[0]
             PARTS.clear()
             dist.barrier()
             w0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
@@ -70,9 +69,11 @@ def worker(rank, world, init, args, out):
             c1 = time.thread_time()
             loss.backward()
             c2 = time.thread_time()
-            opt.step()
+            for opt in v.opts:  # DDP's variant holds two: torch's Muon and its AdamW
+                opt.step()
             c3 = time.thread_time()
-            opt.zero_grad()
+            for opt in v.opts:
+                opt.zero_grad()
             p1 = time.process_time()  # every thread of the process: the comm worker's and gloo's too
             dist.barrier()
             for part, s in (("forward", c1 - c0), ("backward", c2 - c1), ("step", c3 - c2),

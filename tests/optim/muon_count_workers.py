@@ -1,6 +1,6 @@
 """Rank bodies of test_zero_muon_count.py (issue 51 item 8, no silent SGD): how many times
 Newton-Schulz ran on each rank in each optimizer step, counted in torch's own Muon, when a
-GradScaler skips a step and under no_sync accumulation at stage 3. The model, its optimizer and the
+GradScaler skips a step and under no_sync accumulation. The model, its optimizer and the
 one-process reference are muon_units_workers.py's; every rank on the same batch."""
 
 import torch

@@ -2,7 +2,7 @@
 once per matrix per optimizer step, on exactly the one rank that owns the matrix, and
 opt.matrices_stepped agrees; a step that a GradScaler skips (an inf in one rank's grads only) runs
 no NS on any rank and changes no param and no optimizer state, at stages 1, 2 and 3; under no_sync
-accumulation at stage 3, NS runs once per optimizer step, not per micro-batch. Every rank on the
+accumulation at stages 1, 2 and 3, NS runs once per optimizer step, not per micro-batch. Every rank on the
 same batch, 2 ranks, fp32, Muon on the blocks' matrices and AdamW on the rest (muon_units_workers'
 model), against one-process torch.optim.Muon + torch.optim.AdamW. Bodies in muon_count_workers.py."""
 
@@ -57,6 +57,7 @@ def test_a_step_the_grad_scaler_skips_runs_no_newton_schulz_on_any_rank(stage):
         assert state == [t != W.BAD for t in range(steps)], f"rank {rank}: optimizer state changed: {state}"
 
 
-def test_no_sync_accumulation_at_stage_3_runs_newton_schulz_once_per_step():
-    out = dist_harness.values(dist_harness.run(W.accumulate, 2, timeout=300))
-    _check_counts(out, set(range(len(out[0][0]))), "stage 3, 2 micro-batches")
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_no_sync_accumulation_runs_newton_schulz_once_per_step(stage):
+    out = dist_harness.values(dist_harness.run(W.accumulate, 2, stage, timeout=300))
+    _check_counts(out, set(range(len(out[0][0]))), f"stage {stage}, 2 micro-batches")

@@ -2,7 +2,8 @@
 test_zero_mixed_matrix.py: ZeroOptimizer with torch.optim.Adafactor groups (1-D params too), alone
 beside AdamW, holding every param, or beside a torch.optim.Muon group in one optimizer ([Note: a
 cost per param] in zerokern/zero/core/whole_matrices.py), at stages 1-3 and on a (replicate, shard)
-mesh, every rank on the same batch or on its own share of it, against one-process torch optimizers. The model, batches and options are muon_units_workers.py's."""
+mesh, every rank on the same batch or on its own share of it, against one-process torch
+optimizers. The model, batches and options are muon_units_workers.py's."""
 
 import torch
 import torch.distributed as dist

@@ -1,8 +1,9 @@
-"""Per-rank bodies of test_zero_adafactor_units.py and test_zero_mixed_matrix.py: ZeroOptimizer
-with torch.optim.Adafactor groups (1-D params too), alone beside AdamW or beside a torch.optim.Muon
-group in one optimizer ([Note: a cost per param] in zerokern/zero/core/whole_matrices.py), at
-stages 1-3 and on a (replicate, shard) mesh, every rank on the same batch, against one-process
-torch optimizers. The model, batches and options are muon_units_workers.py's."""
+"""Per-rank bodies of test_zero_adafactor_units.py, test_zero_adafactor_every_param.py and
+test_zero_mixed_matrix.py: ZeroOptimizer with torch.optim.Adafactor groups (1-D params too), alone
+beside AdamW, holding every param, or beside a torch.optim.Muon group in one optimizer ([Note: a
+cost per param] in zerokern/zero/core/whole_matrices.py), at stages 1-3 and on a (replicate, shard)
+mesh, every rank on the same batch or on its own share of it, against one-process torch
+optimizers. The model, batches and options are muon_units_workers.py's."""
 
 import torch
 import torch.distributed as dist
@@ -18,8 +19,11 @@ CLASSES = {"muon": "Muon", "adafactor": "Adafactor"}
 
 def kind(scenario, name, p):
     """Which optimizer steps the param `name` (the model's name): "muon", "adafactor", or None
-    (AdamW). "adafactor": every block param, the 1-D ones too; "mixed": Muon on the blocks' 2-D
-    weights, Adafactor on their biases and norms and on the head's weight, AdamW on the rest."""
+    (AdamW). "adafactor": every block param, the 1-D ones too; "every": every param, the embedding
+    and the head too (no AdamW group); "mixed": Muon on the blocks' 2-D weights, Adafactor on their
+    biases and norms and on the head's weight, AdamW on the rest."""
+    if scenario == "every":
+        return "adafactor"
     if name.startswith("emb") or name == "head.bias" or (scenario == "adafactor" and name.startswith("head")):
         return None
     if scenario == "mixed" and p.dim() == 2 and name.startswith("blocks."):
@@ -32,8 +36,8 @@ def _kinds(scenario, model):
 
 
 def _groups(scenario, model, pieces=None):
-    """The param groups, Muon's first, then Adafactor's, then AdamW's (pieces: the reference's
-    masters in place of the params)."""
+    """The param groups, Muon's first, then Adafactor's, then AdamW's if it has params (pieces: the
+    reference's masters in place of the params; an empty group is refused, naming it)."""
     pieces = pieces or {p: p for p in model.parameters()}
     kinds = _kinds(scenario, model)
     out = []
@@ -41,7 +45,8 @@ def _groups(scenario, model, pieces=None):
         mine = [pieces[p] for p, v in kinds.items() if v == k]
         if mine:
             out.append({"params": mine, "optimizer": getattr(torch.optim, CLASSES[k]), **OPTIONS[k]})
-    return out + [{"params": [pieces[p] for p, v in kinds.items() if v is None], **U.ADAMW}]
+    rest = [pieces[p] for p, v in kinds.items() if v is None]
+    return out + ([{"params": rest, **U.ADAMW}] if rest else [])
 
 
 class _Reference(U._Reference):

@@ -22,24 +22,41 @@ def _owned(opt):
 
 
 def _state(opt):
-    """The optimizer's state dict tensors (a collective: Muon's momentum from its owners), copied."""
-    return {(k, key): v.clone() for k, st in opt.state_dict()["state"].items() for key, v in st.items()
-            if isinstance(v, torch.Tensor)}
+    """The optimizer's state dict tensors (a collective: Muon's momentum from its owners), copied, and
+    this rank's fp32 masters (fp16 params: what the step changes; the params are its rounding)."""
+    state = {(k, key): v.clone() for k, st in opt.state_dict()["state"].items() for key, v in st.items()
+             if isinstance(v, torch.Tensor)}
+    return {**state, **{("master", s): store.master.clone() for s, store in enumerate(opt.engine.stores)}}
 
 
-def scaler_skip(rank, world, stage, steps=4):
-    """torch.amp.GradScaler on fp32 params; at step BAD an inf reaches one element of
+def _master_diff(model, opt, ref, ref_opt):
+    """max |zerokern's fp32 master - the reference's| over the pieces this rank holds (each piece the
+    flattened param's [start, start + n)); model and ref alike, so a param's name finds its master."""
+    masters = dict(zip((n for n, _ in ref.named_parameters()), ref_opt.masters))
+    name = {id(p): n for n, p in model.named_parameters()}
+    worst = 0.0
+    for t, piece in opt._piece.items():
+        _, _, n, start = opt._where[t]
+        if n:
+            want = masters[name[id(opt._member(t)[0])]].detach().reshape(-1)[start:start + n]
+            worst = max(worst, (piece.reshape(-1) - want).abs().max().item())
+    return worst
+
+
+def scaler_skip(rank, world, stage, dtype=torch.float32, steps=4):
+    """torch.amp.GradScaler on dtype params (fp32, or fp16 trained through zerokern's fp32 masters); at step BAD an inf reaches one element of
     blocks.0.up.weight's grad on rank 1 only (from a forward hook, so at stage 3 too; the plan gives
     that matrix to rank 0 at stages 1-2 and to rank 1 at stage 3, so the inf reaches another rank's
     matrix in one case and its own in the other: the test prints the owners). Returns per
     step: (NS calls, matrices_stepped's increase, the scale after update(), whether the params
-    changed, whether the optimizer state changed); the owned matrices; the params' and momentum's
-    max diff from one-process Muon + AdamW that skipped step BAD; the full params."""
+    changed, whether the optimizer state or a master changed); the owned matrices; the params' and
+    momentum's max diff from one-process Muon + AdamW on fp32 masters that skipped step BAD; the full
+    params; the masters' max diff from the reference's."""
     counter = CountNS()
     try:
-        model, opt = w._built(stage, None, torch.float32, _how(stage), False)
-        ref = w._net(torch.float32)
-        ref_opt = w._Reference(ref)
+        model, opt = w._built(stage, None, dtype, _how(stage), False)
+        ref = w._net(dtype)
+        ref_opt = w._Reference(ref)  # fp16: steps fp32 masters, the params their rounding, as zerokern
         scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
         poison = []
         bad = 0.0
@@ -52,6 +69,7 @@ def scaler_skip(rank, world, stage, steps=4):
             stepped = opt.matrices_stepped
             opt.zero_grad()
             poison.clear()
+            used = scaler.get_scale()
             scaler.scale(model(x) + poison[0]).backward()
             calls = counter.step(lambda: scaler.step(opt))
             scaler.update()
@@ -62,9 +80,9 @@ def scaler_skip(rank, world, stage, steps=4):
                                                                   for k, v in state.items())))
             if t != BAD:
                 ref_opt.zero_grad()
-                ref(x).backward()
-                ref_opt.step()
-        return (log, _owned(opt), *_against(model, opt, ref, ref_opt))
+                (ref(x) * used).backward()
+                ref_opt.step(used)
+        return (log, _owned(opt), *_against(model, opt, ref, ref_opt), _master_diff(model, opt, ref, ref_opt))
     finally:
         counter.close()
 
@@ -72,7 +90,7 @@ def scaler_skip(rank, world, stage, steps=4):
 def _against(model, opt, ref, ref_opt):
     """The params' and momentum's max diff from the one-process reference, and the full params."""
     full = zerokern.full_state_dict(model, rank0_only=False)
-    diff = max((full[n] - q).abs().max().item() for n, q in ref.state_dict().items())
+    diff = max((full[n].float() - q.float()).abs().max().item() for n, q in ref.state_dict().items())
     sd = opt.state_dict()
     mom = max((sd["state"][k]["momentum_buffer"] - st["momentum_buffer"]).abs().max().item()
               for k, st in ref_opt.opts[0].state_dict()["state"].items())

@@ -89,10 +89,15 @@ class _Reference:
             p.grad = None
 
     @torch.no_grad()
-    def step(self):
+    def step(self, scale=None):
+        """scale: the loss was multiplied by it (a GradScaler's power of 2); the grads are divided by
+        it in fp32, as zerokern unscales them."""
         if self.masters is not self.params:
             for p, m in zip(self.params, self.masters):
                 m.grad = p.grad.float()
+        if scale is not None:
+            for m in self.masters:
+                m.grad.div_(scale)
         for o in self.opts:
             o.step()
         if self.int8:

@@ -155,11 +155,14 @@ class Agreement:
 
     def before_settle(self):
         """At the end of a synced backward, once its last reductions are launched and before any
-        is waited for: what the grad path can launch already (the usage flags: [Note: who had a
-        grad]), so the ranks meet once there, not once for the grads and again for the flags."""
+        is waited for: the usage flags' all-reduce MAX ([Note: who had a grad] in grads/path.py),
+        launched, so the ranks meet once there, not once for the grads and again for the flags.
+        agreed_usage waits for it. Only without a scaler: with one, the flags travel with the
+        overflow flag, which is known only once the grads are in."""
         self._usage = None
         if self.stores and self.path.usage is not None and not self.scaler_in_use:
-            self.launch_usage(self.path.usage(self))
+            flags = torch.tensor(self.path.usage(self), device=self.device)
+            self._usage = (flags, self.comm.all_reduce(flags, op=_MAX, name="grad_usage"))
 
     def after_backward(self):
         """[Note: overflow on any rank] GradScaler checks each rank's local .grad, but where
@@ -184,16 +187,11 @@ class Agreement:
         self.comm.wait(self.comm.all_reduce(flags, op=_MAX, name="overflow"))
         return flags[0], (flags[1:].tolist() if usage else usage)
 
-    def launch_usage(self, usage) -> None:
-        """The usage flags' all-reduce MAX, launched; agreed_usage waits for it."""
-        flags = torch.tensor(usage, device=self.device)
-        self._usage = (flags, self.comm.all_reduce(flags, op=_MAX, name="grad_usage"))
-
     def agreed_usage(self):
-        """The usage flags MAX-ed over the ranks: the all-reduce before_settle launched, or one
-        now."""
+        """The usage flags MAX-ed over the ranks: the all-reduce before_settle launched (or
+        launches now)."""
         if self._usage is None:
-            self.launch_usage(self.path.usage(self))
+            self.before_settle()
         (flags, work), self._usage = self._usage, None
         self.comm.wait(work)
         return flags.tolist()

@@ -39,7 +39,7 @@ in comm/base.py).
 import torch
 
 from ..core.states import BucketState
-from .bucket import GradBucket
+from .bucket import GradBucket, slot_view
 
 class ReleasingGradBucket(GradBucket):
     draws_from_pool = True
@@ -90,7 +90,7 @@ class ReleasingGradBucket(GradBucket):
         s = self.layout.slots[index]
         full = self.full if self.full is not None else self.full_buffer()
         self._unwritten.discard(index)
-        return full[s.offset:s.offset + s.numel].view(shape)
+        return slot_view(full, s.offset, shape)
 
     def give_back(self) -> None:
         """The full buffer goes back to the pool. The grad path (ReleasedGrads) calls this once the

@@ -1,7 +1,8 @@
 """Rank bodies of test_zero_muon_count.py (issue 51 item 8, no silent SGD): how many times
 Newton-Schulz ran on each rank in each optimizer step, counted in torch's own Muon, when a
-GradScaler skips a step and under no_sync accumulation. The model, its optimizer and the
-one-process reference are muon_units_workers.py's; every rank on the same batch."""
+GradScaler skips a step, under no_sync accumulation, and both (the inf in a no_sync
+micro-batch). The model, its optimizer and the one-process reference are muon_units_workers.py's;
+every rank on the same batch."""
 
 import torch
 
@@ -71,12 +72,13 @@ def _changed(before, after):
 
 
 def scaler_skip(rank, world, stage, dtype=torch.float32, steps=4):
-    """torch.amp.GradScaler on dtype params (fp32, or fp16 trained through zerokern's fp32 masters); at step BAD an inf reaches one element of
-    blocks.0.up.weight's grad on rank 1 only (from a forward hook, so at stage 3 too; the plan gives
-    that matrix to rank 0 at stages 1-2 and to rank 1 at stage 3, so the inf reaches another rank's
-    matrix in one case and its own in the other: the test prints the owners). Returns per
-    step: (NS calls, matrices_stepped's increase, the scale after update(), whether the params
-    changed, whether the optimizer state or a master changed); the owned matrices; the params' and
+    """torch.amp.GradScaler on dtype params (fp32, or fp16 trained through zerokern's fp32 masters);
+    at step BAD an inf reaches one element of blocks.0.up.weight's grad on rank 1 only (_poisoned:
+    from a forward hook, so at stage 3 too; the plan gives that matrix to rank 0 at stages 1-2 and
+    to rank 1 at stage 3, so the inf reaches another rank's matrix in one case and its own in the
+    other: the test prints the owners). Returns per step: (NS calls, matrices_stepped's increase,
+    the scale after update(), whether the params changed, whether the optimizer state or a master
+    changed); the owned matrices; the params' and
     momentum's max diff from one-process Muon + AdamW on fp32 masters that skipped step BAD; the full
     params; the masters' max diff from the reference's."""
     counter = CountNS()

@@ -2,7 +2,8 @@
 once per matrix per optimizer step, on exactly the one rank that owns the matrix, and
 opt.matrices_stepped agrees; a step that a GradScaler skips (an inf in one rank's grads only) runs
 no NS on any rank and changes no param and no optimizer state, at stages 1, 2 and 3; under no_sync
-accumulation at stages 1, 2 and 3, NS runs once per optimizer step, not per micro-batch. Every
+accumulation at stages 1, 2 and 3, NS runs once per optimizer step, not per micro-batch; and an inf
+that reaches one rank's grad in a no_sync micro-batch only skips the step on every rank alike. Every
 rank on the same batch, 2 ranks, fp32 (the skip with fp16 params too, trained through zerokern's
 fp32 masters), Muon on the blocks' matrices and AdamW on the rest (muon_units_workers' model),
 against one-process torch.optim.Muon + torch.optim.AdamW. Bodies in muon_count_workers.py."""

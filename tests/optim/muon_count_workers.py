@@ -1,7 +1,8 @@
 """Rank bodies of test_zero_muon_count.py (issue 51 item 8, no silent SGD): how many times
 Newton-Schulz ran on each rank in each optimizer step, counted in torch's own Muon, when a
-GradScaler skips a step and under no_sync accumulation. The model, its optimizer and the
-one-process reference are muon_units_workers.py's; every rank on the same batch."""
+GradScaler skips a step, under no_sync accumulation, and both (the inf in a no_sync
+micro-batch). The model, its optimizer and the one-process reference are muon_units_workers.py's;
+every rank on the same batch."""
 
 import torch
 
@@ -43,13 +44,41 @@ def _master_diff(model, opt, ref, ref_opt):
     return worst
 
 
+def _poisoned(model, rank):
+    """A forward hook on blocks.0.up that adds inf x one weight element to the loss on rank 1 when
+    armed (returned: arm(bool), and the term to add to the loss after each forward): the loss and
+    that element's grad are inf, every other grad finite. A forward hook, so at stage 3 too."""
+    term, armed = [], [False]
+    model.blocks[0].up.register_forward_hook(
+        lambda mod, inp, out: term.append(mod.weight[0, 0] * (float("inf") if armed[0] and rank == 1 else 0.0)))
+
+    def arm(on):
+        armed[0] = on
+        term.clear()
+
+    return arm, lambda: term[0]
+
+
+def _snapshot(model, opt):
+    """The full params and the optimizer's state and masters (_state), to see what a step changed."""
+    return zerokern.full_state_dict(model, rank0_only=False), _state(opt)
+
+
+def _changed(before, after):
+    """(whether a param changed, whether the optimizer state or a master changed) between snapshots."""
+    (params, state), (params_after, state_after) = before, after
+    return (any(not torch.equal(params[n], params_after[n]) for n in params),
+            state.keys() != state_after.keys() or any(not torch.equal(v, state_after[k]) for k, v in state.items()))
+
+
 def scaler_skip(rank, world, stage, dtype=torch.float32, steps=4):
-    """torch.amp.GradScaler on dtype params (fp32, or fp16 trained through zerokern's fp32 masters); at step BAD an inf reaches one element of
-    blocks.0.up.weight's grad on rank 1 only (from a forward hook, so at stage 3 too; the plan gives
-    that matrix to rank 0 at stages 1-2 and to rank 1 at stage 3, so the inf reaches another rank's
-    matrix in one case and its own in the other: the test prints the owners). Returns per
-    step: (NS calls, matrices_stepped's increase, the scale after update(), whether the params
-    changed, whether the optimizer state or a master changed); the owned matrices; the params' and
+    """torch.amp.GradScaler on dtype params (fp32, or fp16 trained through zerokern's fp32 masters);
+    at step BAD an inf reaches one element of blocks.0.up.weight's grad on rank 1 only (_poisoned:
+    from a forward hook, so at stage 3 too; the plan gives that matrix to rank 0 at stages 1-2 and
+    to rank 1 at stage 3, so the inf reaches another rank's matrix in one case and its own in the
+    other: the test prints the owners). Returns per step: (NS calls, matrices_stepped's increase,
+    the scale after update(), whether the params changed, whether the optimizer state or a master
+    changed); the owned matrices; the params' and
     momentum's max diff from one-process Muon + AdamW on fp32 masters that skipped step BAD; the full
     params; the masters' max diff from the reference's."""
     counter = CountNS()
@@ -58,26 +87,19 @@ def scaler_skip(rank, world, stage, dtype=torch.float32, steps=4):
         ref = w._net(dtype)
         ref_opt = w._Reference(ref)  # fp16: steps fp32 masters, the params their rounding, as zerokern
         scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-        poison = []
-        bad = 0.0
-        # inf x one weight element: the loss and that element's grad are inf, every other grad finite
-        model.blocks[0].up.register_forward_hook(lambda mod, inp, out: poison.append(mod.weight[0, 0] * bad))
+        arm, poison = _poisoned(model, rank)
         log = []
         for t, x in enumerate(w._batches()[:steps]):
-            bad = float("inf") if t == BAD and rank == 1 else 0.0
-            before, state = zerokern.full_state_dict(model, rank0_only=False), _state(opt)
+            arm(t == BAD)
+            before = _snapshot(model, opt)
             stepped = opt.matrices_stepped
             opt.zero_grad()
-            poison.clear()
             used = scaler.get_scale()
-            scaler.scale(model(x) + poison[0]).backward()
+            scaler.scale(model(x) + poison()).backward()
             calls = counter.step(lambda: scaler.step(opt))
             scaler.update()
-            after, state_after = zerokern.full_state_dict(model, rank0_only=False), _state(opt)
             log.append((calls, opt.matrices_stepped - stepped, scaler.get_scale(),
-                        any(not torch.equal(before[n], after[n]) for n in before),
-                        state.keys() != state_after.keys() or any(not torch.equal(v, state_after[k])
-                                                                  for k, v in state.items())))
+                        *_changed(before, _snapshot(model, opt))))
             if t != BAD:
                 ref_opt.zero_grad()
                 (ref(x) * used).backward()
@@ -97,31 +119,47 @@ def _against(model, opt, ref, ref_opt):
     return diff, mom, full
 
 
-def accumulate(rank, world, stage=3, steps=5, micro=2):
+def accumulate(rank, world, stage=3, steps=5, micro=2, dtype=torch.float32, scaler=False):
     """micro micro-batches an optimizer step, all but the last under opt.no_sync(), against
-    one-process Muon + AdamW accumulating the same micro-batches. Returns per step (NS calls,
-    matrices_stepped's increase), the owned matrices, the params' and momentum's max diff, and the
-    full params."""
+    one-process Muon + AdamW accumulating the same micro-batches. scaler: through a
+    torch.amp.GradScaler, and at step BAD an inf reaches blocks.0.up.weight's grad on rank 1 in the
+    first micro-batch only, under no_sync (_poisoned): only rank 1's local accumulation holds it
+    until the synced micro-batch, and every rank must skip the step; the reference skips it.
+    Returns per step (NS calls, matrices_stepped's increase; with scaler also the scale after
+    update(), whether the params changed, whether the optimizer state or a master changed), the
+    owned matrices, the params' and momentum's max diff, the full params, and (scaler) the fp32
+    masters' max diff from the reference's."""
     counter = CountNS()
     try:
-        model, opt = w._built(stage, None, torch.float32, _how(stage), False)
-        ref = w._net(torch.float32)
+        model, opt = w._built(stage, None, dtype, _how(stage), False)
+        ref = w._net(dtype)
         ref_opt = w._Reference(ref)
+        amp = torch.amp.GradScaler("cpu", init_scale=1024.0, enabled=scaler)
+        arm, poison = _poisoned(model, rank)
         xs = w._batches()[:steps * micro]
         log = []
-        for k in range(0, len(xs), micro):
+        for t, k in enumerate(range(0, len(xs), micro)):
+            before = _snapshot(model, opt) if scaler else None
+            used = amp.get_scale() if scaler else 1.0
             ref_opt.zero_grad()
             opt.zero_grad()
             for j, x in enumerate(xs[k:k + micro]):
-                (ref(x) / micro).backward()
+                (ref(x) * used / micro).backward()
+                arm(scaler and t == BAD and j == 0)
                 if j < micro - 1:
                     with opt.no_sync():
-                        (model(x) / micro).backward()
+                        amp.scale(model(x) / micro + poison()).backward()
                 else:
-                    (model(x) / micro).backward()
-            ref_opt.step()
+                    amp.scale(model(x) / micro + poison()).backward()
+            if not (scaler and t == BAD):
+                ref_opt.step(used if scaler else None)
             stepped = opt.matrices_stepped
-            log.append((counter.step(opt.step), opt.matrices_stepped - stepped))
-        return (log, _owned(opt), *_against(model, opt, ref, ref_opt))
+            entry = (counter.step(lambda: amp.step(opt)), opt.matrices_stepped - stepped)
+            if scaler:
+                amp.update()
+                entry += (amp.get_scale(), *_changed(before, _snapshot(model, opt)))
+            log.append(entry)
+        masters = (_master_diff(model, opt, ref, ref_opt),) if scaler else ()
+        return (log, _owned(opt), *_against(model, opt, ref, ref_opt), *masters)
     finally:
         counter.close()

@@ -2,7 +2,8 @@
 once per matrix per optimizer step, on exactly the one rank that owns the matrix, and
 opt.matrices_stepped agrees; a step that a GradScaler skips (an inf in one rank's grads only) runs
 no NS on any rank and changes no param and no optimizer state, at stages 1, 2 and 3; under no_sync
-accumulation at stages 1, 2 and 3, NS runs once per optimizer step, not per micro-batch. Every
+accumulation at stages 1, 2 and 3, NS runs once per optimizer step, not per micro-batch; and an inf
+that reaches one rank's grad in a no_sync micro-batch only skips the step on every rank alike. Every
 rank on the same batch, 2 ranks, fp32 (the skip with fp16 params too, trained through zerokern's
 fp32 masters), Muon on the blocks' matrices and AdamW on the rest (muon_units_workers' model),
 against one-process torch.optim.Muon + torch.optim.AdamW. Bodies in muon_count_workers.py."""
@@ -51,25 +52,44 @@ def _check_counts(out, good_steps, case, params_tol=TOL):
             assert torch.equal(v, out[0][4][n]), f"{case}: rank {rank}'s {n} is not rank 0's bit for bit"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_a_step_the_grad_scaler_skips_runs_no_newton_schulz_on_any_rank(stage, dtype):
-    out = dist_harness.values(dist_harness.run(W.scaler_skip, 2, stage, dtype, timeout=300))
+def _check_skip(out, case, dtype):
+    """The skipped step BAD: every rank ran no NS and stepped no matrix in it, and every other step
+    its own once (_check_counts); every rank backed off the scale there; the params, optimizer state
+    and fp32 masters are unchanged by it and changed by every other step; the masters are within TOL
+    of the reference's that skipped the same step."""
     steps = len(out[0][0])
-    case = f"stage {stage}, {dtype}"
     _check_counts(out, set(range(steps)) - {W.BAD}, case, PARAMS_TOL[dtype])
     for rank, o in enumerate(out):
         print(f"{case}, rank {rank}: its fp32 masters {o[5]:.3g} from the reference's")
         assert o[5] <= TOL, f"{case}, rank {rank}: fp32 masters {o[5]} from one-process Muon + AdamW's"
         scales = [e[2] for e in o[0]]
-        assert scales == [1024.0, 512.0, 512.0, 512.0], f"rank {rank}: every rank backs off at step {W.BAD}: {scales}"
+        want = [1024.0 if t < W.BAD else 512.0 for t in range(steps)]
+        assert scales == want, f"{case}, rank {rank}: every rank backs off at step {W.BAD}: {scales}"
         changed = [e[3] for e in o[0]]
-        assert changed == [t != W.BAD for t in range(steps)], f"rank {rank}: params changed per step: {changed}"
+        assert changed == [t != W.BAD for t in range(steps)], f"{case}, rank {rank}: params changed per step: {changed}"
         state = [e[4] for e in o[0]]
-        assert state == [t != W.BAD for t in range(steps)], f"rank {rank}: optimizer state or masters changed: {state}"
+        assert state == [t != W.BAD for t in range(steps)], \
+            f"{case}, rank {rank}: optimizer state or masters changed per step: {state}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_step_the_grad_scaler_skips_runs_no_newton_schulz_on_any_rank(stage, dtype):
+    out = dist_harness.values(dist_harness.run(W.scaler_skip, 2, stage, dtype, timeout=300))
+    _check_skip(out, f"stage {stage}, {dtype}", dtype)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_no_sync_accumulation_runs_newton_schulz_once_per_step(stage):
     out = dist_harness.values(dist_harness.run(W.accumulate, 2, stage, timeout=300))
     _check_counts(out, set(range(len(out[0][0]))), f"stage {stage}, 2 micro-batches")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_an_inf_in_a_no_sync_micro_batch_skips_the_step_on_every_rank(stage, dtype):
+    """The inf reaches rank 1's grad in the first micro-batch, under no_sync, only: rank 1's local
+    accumulation must carry it into the synced micro-batch and the step's overflow agreement, so
+    every rank skips step BAD as one process that skipped it."""
+    out = dist_harness.values(dist_harness.run(W.accumulate, 2, stage, 5, 2, dtype, True, timeout=300))
+    _check_skip(out, f"stage {stage}, {dtype}, inf under no_sync", dtype)

@@ -50,9 +50,15 @@ def test_each_element_and_matrix_counted_once(optimizer, dp):
 
 def test_the_adam_column_is_the_busiest_ranks_state():
     p = plan(**TINY, dp=4, optimizer="muon")
-    assert p.stages[0].adam_bytes == p.matrix.state_bytes_unsharded
-    for s in p.stages[1:]:
+    unit = plan(**TINY, dp=4, optimizer="muon", matrix_layout="unit")
+    assert p.matrix_layout == "groups" and unit.matrix_layout == "unit"
+    assert p.stages[0].adam_bytes == p.matrix.state_bytes_unsharded == unit.matrix.state_bytes_unsharded
+    for s in p.stages[1:3]:
         assert s.adam_bytes == pytest.approx(max(p.matrix.state_bytes))
+    for s in unit.stages[1:]:
+        assert s.adam_bytes == pytest.approx(max(unit.matrix.state_bytes))
+    # stage 3 needs shard(): its column is the unit layout's whatever stages 1-2 run
+    assert p.stages[3].adam_bytes == unit.stages[3].adam_bytes
     adam = plan(**TINY, dp=4)
     assert p.stages[1].adam_bytes < adam.stages[1].adam_bytes  # one fp32 buffer for the matrices, not two
 
@@ -89,6 +95,10 @@ def test_cli_rows_and_refusals(capsys):
     out = capsys.readouterr().out
     assert "Muon on the layers' matrices, AdamW with fp32 moments on the rest" in out
     assert "muon: Muon on 8 matrices" in out and "balance" in out
+    assert "per-rank rows in ZeroOptimizer's own layout (its param groups' order, stages 1-2" in out
+    assert main(["--layers", "2", "--hidden", "64", "--heads", "2", "--vocab", "128", "--dp", "2",
+                 "--optimizer", "muon", "--matrix-layout", "unit"]) == 0
+    assert "per-rank rows in one shard() unit's layout (registration order)" in capsys.readouterr().out
     for bad in (["--params", "7e9", "--optimizer", "muon"],
                 ["--layers", "2", "--hidden", "64", "--heads", "2", "--vocab", "128", "--optimizer", "adafactor",
                  "--offload-optimizer", "cpu"]):
@@ -147,11 +157,11 @@ def _stepped(cases, world):
     return [[r[k] for r in out] for k in range(len(cases))]
 
 
-def _planned(precision, world, dtype, bucket_cap_mb):
+def _planned(precision, world, dtype, bucket_cap_mb, layout="unit"):
     import plan_matrix_workers as W
 
     return plan(**W.SHAPE, dp=world, dtype=dtype, bucket_cap_mb=bucket_cap_mb, optimizer="muon",
-                matrix_state_precision=precision)
+                matrix_state_precision=precision, matrix_layout=layout)
 
 
 def _check(got, planned):
@@ -161,7 +171,8 @@ def _check(got, planned):
     import plan_matrix_workers as W
 
     m = planned.matrix
-    assert [r["per_element"] for r in got] == list(m.state_bytes), ([r["per_element"] for r in got], m.state_bytes)
+    assert [r["per_element"] for r in got] == list(m.state_bytes), ([r["per_element"] for r in got], m.state_bytes,
+                                                                    planned.matrix_layout)
     assert max(m.state_bytes) == planned.stages[2].adam_bytes and planned.stages[0].adam_bytes == sum(m.state_bytes)
     shapes, whole = model_shapes("gpt", W.SHAPE["layers"], W.SHAPE["hidden"], W.SHAPE["vocab"])
     for r in got:
@@ -185,19 +196,41 @@ def test_one_process_holds_the_planned_state(dtype):
 
 
 def test_two_ranks_at_stage_2_hold_the_planned_state():
-    """2 gloo ranks, stage 2, the model shard()ed as one unit (its layout in registration order,
-    the planner's): each rank's state is its planned row, fp32 and int8 momentum, with small
-    buckets (several a layer) and one large one (the ranks' shares then differ, so a row given to
-    the other rank would fail). The optimizer's own layout (no shard(), param groups' order) holds
-    the same state in all, but may give a rank another's share."""
-    cases = [(precision, dict(bucket_cap_mb=cap)) for precision in ("fp32", "int8") for cap in (0.02, 25.0)]
-    cases += [("int8", dict(bucket_cap_mb=25.0, units=False))]
+    """2 gloo ranks, stage 2, fp32 and int8 momentum, small buckets (several a layer) and one large
+    one (the ranks' shares then differ, so a row given to the other rank would fail), in both
+    layouts the planner knows: the model shard()ed as one unit (registration order, matrix_layout
+    "unit") and ZeroOptimizer bucketing the params itself, built with the documented two groups
+    (matrices, then the rest, each in registration order: matrix_layout "groups"). Each rank's
+    state is its planned row of its layout, to the byte."""
+    cases = [(precision, dict(bucket_cap_mb=cap, units=units))
+             for units in (True, False) for precision in ("fp32", "int8") for cap in (0.02, 25.0)]
     got = _stepped(cases, 2)
-    for (precision, kw), g in zip(cases[:4], got):
-        _check(g, _planned(precision, 2, "fp32", kw["bucket_cap_mb"]))
-    large = _planned("int8", 2, "fp32", 25.0).matrix.state_bytes
-    assert large[0] != large[1], "the large bucket's shares differ, so the per-rank check can tell ranks apart"
-    assert sum(r["per_element"] for r in got[4]) == sum(large)
+    for (precision, kw), g in zip(cases, got):
+        _check(g, _planned(precision, 2, "fp32", kw["bucket_cap_mb"], "unit" if kw["units"] else "groups"))
+    for layout in ("unit", "groups"):
+        large = _planned("int8", 2, "fp32", 25.0, layout).matrix.state_bytes
+        assert large[0] != large[1], f"{layout}: the shares differ, so the per-rank check can tell ranks apart"
+    # the two layouts give the ranks other shares here, so each layout's row is checked against its own runtime
+    assert _planned("int8", 2, "fp32", 25.0, "unit").matrix.state_bytes != \
+        _planned("int8", 2, "fp32", 25.0, "groups").matrix.state_bytes
+
+
+def test_groups_order_is_the_rest_then_the_matrices_in_gradient_order():
+    """ZeroOptimizer's loose unit takes [matrices, rest] (each in registration order) and reverses
+    it into backward order ([Note: matrix optimizers in the plan])."""
+    from zerokern.plan.matrix import groups_order
+
+    assert groups_order(6, [1, 4]) == [0, 2, 3, 5, 1, 4]
+    assert groups_order(3, []) == [0, 1, 2] and groups_order(2, [0, 1]) == [0, 1]
+    shapes, whole = model_shapes("gpt", TINY["layers"], TINY["hidden"], TINY["vocab"])
+    a = plan_matrices("muon", shapes, whole, 2, 10 ** 9, 8.0, layout="groups")
+    b = plan_matrices("muon", [shapes[i] for i in groups_order(len(shapes), whole)],
+                      list(range(len(shapes) - len(whole), len(shapes))), 2, 10 ** 9, 8.0)
+    assert a == b
+    with pytest.raises(ValueError, match="layout must be one of groups, unit, got 'registration'"):
+        plan_matrices("muon", shapes, whole, 2, 4096, 8.0, layout="registration")
+    with pytest.raises(ValueError, match="unknown matrix_layout 'x'; choose one of groups, unit"):
+        plan(**TINY, optimizer="muon", matrix_layout="x")
 
 
 def test_cli_prints_the_int8_row_and_refuses_what_the_runtime_refuses(capsys):

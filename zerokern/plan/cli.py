@@ -9,7 +9,7 @@ import sys
 
 from . import disk
 from .activations import ACT_BYTES, CHECKPOINTING
-from .matrix import OPTIMIZERS
+from .matrix import LAYOUTS, OPTIMIZERS
 from .model import DTYPE_BYTES, MATRIX_STATE_PRECISIONS, STATE_BYTES, plan
 from .traffic import GATHER_PRECISIONS, REDUCE_PRECISIONS, quantized
 from .units import parse_size
@@ -94,6 +94,11 @@ def parser():
                     help="--optimizer muon: the Muon momentum in fp32 (4 bytes an element) or int8 (uint8 codes, a "
                          "bf16 scale per 64 elements of a row and an fp32 one per column: about 1.05 bytes); a "
                          "Muon param group's \"state_precision\" in ZeroOptimizer")
+    hw.add_argument("--matrix-layout", choices=list(LAYOUTS), default="groups",
+                    help="--optimizer muon|adafactor: whose order the per-rank rows follow: groups (default) is "
+                         "ZeroOptimizer bucketing the params itself at stages 1-2 (no shard()), the matrices' "
+                         "param group first, each group in registration order; unit is the model shard()ed as one "
+                         "unit. Stage 3 needs shard(): its column is the unit layout's either way")
     hw.add_argument("--no-master-weights", action="store_true",
                     help="bf16 params updated without fp32 masters (stochastic rounding): FusedZeroAdam's "
                          "master_weights=False")
@@ -307,6 +312,10 @@ def _matrix_lines(p):
     return [f"{m.optimizer}: {name} on {m.matrices} matrices ({m.matrix_params:.4g} params, {state}), each whole on "
             f"one rank and stepped there once a step; AdamW on {m.elementwise_params:.4g} params; the adam column is "
             f"both optimizers' state on the busiest of {p.dp} ranks",
+            f"{m.optimizer}: per-rank rows in "
+            + ("ZeroOptimizer's own layout (its param groups' order, stages 1-2; stage 3's column: one shard() unit)"
+               if p.matrix_layout == "groups" else "one shard() unit's layout (registration order)")
+            + " (--matrix-layout)",
             f"{m.optimizer}: {work}, balance {m.balance:.3f} (max/mean); the matrix-whole layout pads "
             f"{m.padding_params:,} params ({m.padding_params / p.params_per_gpu:.1%}; not in the sharded params, "
             "grads and master columns: [Note: matrix optimizers in the plan] in zerokern/plan/matrix.py)"]
@@ -349,7 +358,8 @@ def main(argv=None):
                  checkpointing=args.checkpointing, act_dtype=args.act_dtype,
                  reduce_precision=None if args.reduce_precision == "none" else args.reduce_precision,
                  gather_precision=None if args.gather_precision == "none" else args.gather_precision,
-                 disk_rate=rate, optimizer=args.optimizer, matrix_state_precision=args.matrix_state_precision)
+                 disk_rate=rate, optimizer=args.optimizer, matrix_state_precision=args.matrix_state_precision,
+                 matrix_layout=args.matrix_layout)
     except ValueError as e:
         ap.error(str(e))  # exit code 2
     if args.json:

@@ -29,6 +29,17 @@ The matrix optimizer's state precision (state_precision here, plan()'s matrix_st
   step decodes one matrix's fp32 momentum at a time; that transient is headroom, not planned).
   Where the runtime refuses it, so does the plan: Adafactor's state (no int8 form) and bf16 params
   without masters (the codec decodes to an fp32 momentum).
+The order of the tensors in the layout (layout here, plan()'s matrix_layout, --matrix-layout):
+- "groups": ZeroOptimizer bucketing the params itself (no shard(); stages 1 and 2), given the
+  documented two groups [{"params": hidden_matrices, "optimizer": Muon}, {"params": rest}], each
+  in registration order. The engine makes one unit of its loose params in the groups' order
+  (engine.py: make_unit over self.trainable), and ShardUnit reverses it into backward order, so
+  the layout holds the rest in gradient order, then the matrices in gradient order
+  (groups_order). Other groupings (the rest split into decay / no-decay groups, a group out of
+  registration order) lay out in their own order, which the planner does not model.
+- "unit": the model zerokern.shard()ed as one unit (stage 3 needs shard()): registration order
+  reversed, the gradient order model_shapes gives.
+Both hold the same state in all; which rank holds what differs.
 Not counted in any of them: the 0-dim fp32 `step` torch's AdamW keeps a piece (4 bytes a tensor
 a rank), nor Muon's and the codec's temporaries during a step.
 """
@@ -40,6 +51,7 @@ from typing import List, Sequence, Tuple
 from zerokern.zero.core.matrix_layout import plan_matrix_layout
 
 OPTIMIZERS = ("adam", "muon", "adafactor")
+LAYOUTS = ("groups", "unit")  # [Note: matrix optimizers in the plan]: ZeroOptimizer's own order, or a shard() unit's
 NS_STEPS = 5  # torch.optim.Muon's default ns_steps
 # the matrix optimizer's state: bytes a value ("int8": int8_momentum_bytes, Muon's momentum only)
 STATE_PRECISIONS = {"fp32": 4, "bf16": 2, "int8": None}
@@ -112,18 +124,34 @@ def model_shapes(arch, layers, hidden, vocab, ffn_hidden=None, heads=None, kv_he
     return [s for s, _ in reg], [i for i, (_, m) in enumerate(reg) if m]
 
 
+def groups_order(n, matrices):
+    """The order (indices into a gradient-order list of n tensors) in which ZeroOptimizer lays out
+    the two documented groups, matrices first, each in registration order: backward order
+    reverses [matrices, rest] into [rest, matrices], each in gradient order ([Note: matrix
+    optimizers in the plan])."""
+    whole = set(matrices)
+    return [i for i in range(n) if i not in whole] + [i for i in range(n) if i in whole]
+
+
 def plan_matrices(optimizer, shapes, matrices, dp, bucket_cap_elements, adam_bytes_per_param,
-                  state_precision="fp32") -> MatrixPlan:
+                  state_precision="fp32", layout="unit") -> MatrixPlan:
     """The per-rank state and work of `optimizer` ("muon", "adafactor") on `matrices` (indices
     into `shapes`, gradient order) with AdamW on the other tensors, over dp ranks.
     state_precision: the matrix optimizer's state ("fp32": stepping fp32 masters; "bf16": without
-    masters; "int8": Muon's momentum in the int8 codec), [Note: matrix optimizers in the plan]."""
+    masters; "int8": Muon's momentum in the int8 codec). layout: "unit" (shapes' order, a shard()
+    unit's) or "groups" (ZeroOptimizer's own, groups_order), [Note: matrix optimizers in the plan]."""
     if optimizer not in OPTIMIZERS[1:]:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS[1:]} here, got {optimizer!r}")
     if state_precision not in STATE_PRECISIONS:
         raise ValueError(f"state_precision must be one of {', '.join(STATE_PRECISIONS)}, got {state_precision!r}")
     if state_precision == "int8" and optimizer != "muon":
         raise ValueError(f"state_precision='int8' is Muon's momentum in int8; {optimizer}'s state has no int8 form")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if layout == "groups":  # the same tensors in the order ZeroOptimizer buckets them
+        order = groups_order(len(shapes), matrices)
+        at = {i: k for k, i in enumerate(order)}
+        shapes, matrices = [shapes[i] for i in order], sorted(at[i] for i in matrices)
     ml = plan_matrix_layout(shapes, matrices, dp, bucket_cap_elements, cost=optimizer)
     whole = set(matrices)
     numels = [math.prod(s) for s in shapes]

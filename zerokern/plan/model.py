@@ -86,7 +86,7 @@ from typing import List, Optional
 
 from . import traffic
 from .activations import ActivationPlan, activation_memory, largest_tokens
-from .matrix import OPTIMIZERS, MatrixPlan, model_shapes, plan_matrices
+from .matrix import LAYOUTS, OPTIMIZERS, MatrixPlan, model_shapes, plan_matrices
 
 MATRIX_STATE_PRECISIONS = ("fp32", "int8")  # ZeroOptimizer's per-group state_precision (lowbit_momentum.PRECISIONS)
 from .units import to_bytes
@@ -164,6 +164,7 @@ class Plan:
     optimizer: str = "adam"  # or "muon", "adafactor" on the 2-D hidden weights ([Note: matrix optimizers in the plan])
     matrix: Optional[MatrixPlan] = None  # their per-rank state and work over dp ranks (hybrid: dp/hosts)
     matrix_state_precision: str = "fp32"  # "int8": the Muon group's momentum in int8 (matrix.py)
+    matrix_layout: str = "groups"  # the order of Plan.matrix's rows: ZeroOptimizer's own or a shard() unit's
 
     @property
     def largest_micro_batch(self) -> Optional[dict]:
@@ -235,7 +236,7 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
          dp_bandwidth=100e9, bucket_cap_mb=25.0, largest_param=None, unit_params=None, root_params=None,
          state_precision="fp32", master_weights=True, hosts=1, seq=None, micro_batch_size=1,
          checkpointing="none", act_dtype=None, reduce_precision=None, gather_precision=None,
-         disk_rate=None, optimizer="adam", matrix_state_precision="fp32") -> Plan:
+         disk_rate=None, optimizer="adam", matrix_state_precision="fp32", matrix_layout="groups") -> Plan:
     """The memory and communication plan for every ZeRO stage. Give either
     `params` (a count; tp and pp then split it evenly) or the shape (layers,
     hidden, heads, vocab[, ffn_hidden]) of a GPT-style (arch="gpt") or Llama-style
@@ -262,7 +263,11 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
     it needs the shape, tp = pp = 1, and no offload. matrix_state_precision ("fp32", "int8") is
     the Muon group's "state_precision": "int8" keeps its momentum as int8 codes and scales,
     planned at the codec's exact bytes a matrix; refused where the runtime refuses it (Adafactor,
-    Adam alone, master_weights=False)."""
+    Adam alone, master_weights=False). matrix_layout: whose order Plan.matrix's rows follow:
+    "groups" (default: ZeroOptimizer bucketing the params itself, as docs/matrix_optimizers.md's
+    usage runs it at stages 1 and 2, the hidden matrices' group first) or "unit" (the model
+    shard()ed as one unit); stage 3 needs shard(), so its column is the unit layout's either way
+    ([Note: matrix optimizers in the plan])."""
     if arch not in ("gpt", "llama"):
         raise ValueError(f"arch must be 'gpt' or 'llama', got {arch!r}")
     if dtype not in DTYPE_BYTES:
@@ -288,6 +293,8 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
         raise ValueError(f"optimizer={optimizer!r} with master_weights=False keeps torch's optimizers' state in bf16, "
                          f"as they keep it for bf16 params; state_precision={state_precision!r} has no meaning there. "
                          "Leave state_precision='fp32' (the default)")
+    if matrix_layout not in LAYOUTS:
+        raise ValueError(f"unknown matrix_layout {matrix_layout!r}; choose one of {', '.join(LAYOUTS)}")
     if matrix_state_precision not in MATRIX_STATE_PRECISIONS:
         raise ValueError(f"unknown matrix_state_precision {matrix_state_precision!r}; choose one of "
                          f"{', '.join(MATRIX_STATE_PRECISIONS)}")
@@ -388,7 +395,7 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
     # fp32 training updates the params themselves; so does bf16 without masters
     master = 0 if dtype == "fp32" or not master_weights else 4 * per_gpu
     adam = STATE_BYTES[state_precision] * per_gpu
-    matrices = {}  # ranks sharding -> MatrixPlan ([Note: matrix optimizers in the plan])
+    matrices = {}  # (ranks sharding, layout) -> MatrixPlan ([Note: matrix optimizers in the plan])
     if optimizer != "adam":
         shapes, whole = model_shapes(arch, layers, hidden, vocab, ffn_hidden, heads, kv_heads)
         cap = int(bucket_cap_mb * 2**20 // b)
@@ -396,12 +403,13 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
         adam_el, kept = ((STATE_BYTES[state_precision], matrix_state_precision) if master_weights else
                          (STATE_BYTES["bf16"], "bf16"))
         for d in {dp, dp // hosts}:
-            matrices[d] = plan_matrices(optimizer, shapes, whole, d, cap, adam_el, kept)
+            for layout in {matrix_layout, "unit"}:  # stage 3 runs shard() units whatever stages 1-2 run
+                matrices[d, layout] = plan_matrices(optimizer, shapes, whole, d, cap, adam_el, kept, layout)
 
     def adam_for(stage, d):  # what _stage shards by d from stage 1 on: the busiest rank's share times d
         if optimizer == "adam":
             return adam
-        mp = matrices[d]
+        mp = matrices[d, "unit" if stage == 3 else matrix_layout]
         return mp.state_bytes_unsharded if stage == 0 else max(mp.state_bytes) * d
 
     stages = []
@@ -435,7 +443,8 @@ def plan(params=None, *, layers=None, hidden=None, heads=None, vocab=None, ffn_h
                 state_precision=state_precision, master_weights=master_weights, hosts=hosts, activations=acts,
                 reduce_precision=reduce_precision, gather_precision=gather_precision,
                 disk_rate=None if disk_rate is None else tuple(disk_rate), optimizer=optimizer,
-                matrix=matrices.get(dp), matrix_state_precision=matrix_state_precision,
+                matrix=matrices.get((dp, matrix_layout)), matrix_state_precision=matrix_state_precision,
+                matrix_layout=matrix_layout,
                 fit_tokens=None if acts is None else {
                     c: [largest_tokens(st.headroom_bytes + act, per_token[c]) for st in stages]
                     for c in per_token})

@@ -57,8 +57,13 @@ def test_the_adam_column_is_the_busiest_ranks_state():
         assert s.adam_bytes == pytest.approx(max(p.matrix.state_bytes))
     for s in unit.stages[1:]:
         assert s.adam_bytes == pytest.approx(max(unit.matrix.state_bytes))
-    # stage 3 needs shard(): its column is the unit layout's whatever stages 1-2 run
-    assert p.stages[3].adam_bytes == unit.stages[3].adam_bytes
+    # stage 3 needs shard(): its column is the unit layout's whatever stages 1-2 run. A shape whose
+    # busiest rank differs between the layouts (143,104 bytes in groups, 136,704 in a unit)
+    kw = dict(layers=1, hidden=64, heads=2, vocab=96, dp=2, bucket_cap_mb=0.02, optimizer="muon")
+    groups, unit = plan(**kw), plan(**kw, matrix_layout="unit")
+    assert max(groups.matrix.state_bytes) != max(unit.matrix.state_bytes)
+    assert groups.stages[2].adam_bytes == pytest.approx(max(groups.matrix.state_bytes))
+    assert groups.stages[3].adam_bytes == unit.stages[3].adam_bytes != groups.stages[2].adam_bytes
     adam = plan(**TINY, dp=4)
     assert p.stages[1].adam_bytes < adam.stages[1].adam_bytes  # one fp32 buffer for the matrices, not two
 

@@ -87,11 +87,10 @@ from typing import List, Optional
 from . import traffic
 from .activations import ActivationPlan, activation_memory, largest_tokens
 from .matrix import LAYOUTS, OPTIMIZERS, MatrixPlan, model_shapes, plan_matrices
-
-MATRIX_STATE_PRECISIONS = ("fp32", "int8")  # ZeroOptimizer's per-group state_precision (lowbit_momentum.PRECISIONS)
 from .units import to_bytes
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+MATRIX_STATE_PRECISIONS = ("fp32", "int8")  # ZeroOptimizer's per-group state_precision (lowbit_momentum.PRECISIONS)
 # Adam's two moments per param: fp32, bf16, or int8 codes with one fp32 scale per block of 256
 # ([Note: blockwise 8-bit state] in zerokern/kernels/lowbit.py)
 STATE_BYTES = {"fp32": 8.0, "bf16": 4.0, "int8": 2.0 + 2 * 4 / 256}

@@ -30,10 +30,28 @@ from .pool import IN_FLIGHT_BUCKETS, GradBufferPool
 from ..core.states import BackwardState, BucketState
 
 
+class _WeakCallback:
+    """A schedule's callback attribute, held weakly where it is a bound method (why: the comment
+    on after_backward in ReduceSchedule.__init__). Stored as a callable returning the callback
+    (or None) in `_<name>`, which the backward calls directly."""
+
+    def __set_name__(self, owner, name):
+        self.slot = "_" + name
+
+    def __get__(self, obj, objtype=None):
+        return self if obj is None else getattr(obj, self.slot)()
+
+    def __set__(self, obj, fn: Optional[Callable[[], None]]) -> None:
+        setattr(obj, self.slot, weakref.WeakMethod(fn) if inspect.ismethod(fn) else (lambda: fn))
+
+
 class ReduceSchedule:
     """placed: (grad path, bucket) pairs in the collective order: each bucket with the grad path
     of its dtype group (grads/path.py), which the schedule asks to move the bucket from phase to
     phase."""
+
+    after_backward = _WeakCallback()
+    before_settle = _WeakCallback()
 
     def __init__(self, placed: List[Tuple[object, GradBucket]], comm, overlap: bool,
                  after_backward: Optional[Callable[[], None]] = None):
@@ -67,22 +85,6 @@ class ReduceSchedule:
         for b in self.buckets:
             if b.draws_from_pool:
                 b.pool = self.pool
-
-    @property
-    def after_backward(self) -> Optional[Callable[[], None]]:
-        return self._after_backward()
-
-    @after_backward.setter
-    def after_backward(self, fn: Optional[Callable[[], None]]) -> None:
-        self._after_backward = weakref.WeakMethod(fn) if inspect.ismethod(fn) else (lambda: fn)
-
-    @property
-    def before_settle(self) -> Optional[Callable[[], None]]:
-        return self._before_settle()
-
-    @before_settle.setter
-    def before_settle(self, fn: Optional[Callable[[], None]]) -> None:
-        self._before_settle = weakref.WeakMethod(fn) if inspect.ismethod(fn) else (lambda: fn)
 
     # --- backward ------------------------------------------------------------
 
